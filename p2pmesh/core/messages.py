@@ -1,0 +1,313 @@
+"""The vocabulary: every value that crosses the wire or lands in the replicated log.
+
+Wire messages are nouns (VoteRequest, AppendEntries, Hello). Log commands are imperatives
+applied to the cluster state (AddLearner, Promote, MarkDown). All are frozen, slotted
+dataclasses registered with a small integer tag in wire.py's codec; field types are the
+schema the decoder enforces, so a message that decodes is well-formed by construction.
+
+Raft messages carry a header naming the cluster and both ends *with their incarnation*:
+an incarnation is a random 63-bit number a node draws whenever it starts a fresh log, so a
+Mac that wiped its state (or left and came back) is never mistaken for its old self.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from p2pmesh.core.ids import ClusterId, NodeId
+from p2pmesh.core.wire import register
+
+# --------------------------------------------------------------------------------------
+# Values inside commands and snapshots
+
+
+@register(1)
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a Mac offers: memory for model layers and what chip it is."""
+
+    memory_bytes: int
+    chip: str
+
+
+@register(2)
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One member of the replicated cluster state."""
+
+    node_id: NodeId
+    inc: int
+    voter: bool
+    up: bool
+    addresses: tuple[str, ...]
+    caps: Capabilities
+
+
+@register(3)
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A Raft participant: a node id at one incarnation."""
+
+    node_id: NodeId
+    inc: int
+
+
+@register(4)
+@dataclass(frozen=True, slots=True)
+class Config:
+    """A Raft configuration: voters decide, learners only follow."""
+
+    voters: tuple[Peer, ...]
+    learners: tuple[Peer, ...]
+
+
+# --------------------------------------------------------------------------------------
+# Log commands (applied to ClusterState by cluster.py)
+
+
+@register(10)
+@dataclass(frozen=True, slots=True)
+class Noop:
+    """Appended by every new leader; it must commit before any config change (Ongaro's fix)."""
+
+
+@register(11)
+@dataclass(frozen=True, slots=True)
+class AddLearner:
+    node_id: NodeId
+    inc: int
+    addresses: tuple[str, ...]
+    caps: Capabilities
+
+
+@register(12)
+@dataclass(frozen=True, slots=True)
+class Promote:
+    node_id: NodeId
+    inc: int
+
+
+@register(13)
+@dataclass(frozen=True, slots=True)
+class RemoveMember:
+    node_id: NodeId
+    inc: int
+    reason: str
+
+
+@register(14)
+@dataclass(frozen=True, slots=True)
+class MarkDown:
+    node_id: NodeId
+    inc: int
+
+
+@register(15)
+@dataclass(frozen=True, slots=True)
+class MarkUp:
+    node_id: NodeId
+    inc: int
+
+
+@register(16)
+@dataclass(frozen=True, slots=True)
+class UpdateMember:
+    node_id: NodeId
+    inc: int
+    addresses: tuple[str, ...]
+    caps: Capabilities
+
+
+@register(17)
+@dataclass(frozen=True, slots=True)
+class SetRing:
+    """The ring the data plane uses, with its epoch (filled by the ring issue)."""
+
+    epoch: int
+    order: tuple[NodeId, ...]
+
+
+@register(18)
+@dataclass(frozen=True, slots=True)
+class Put:
+    """A user key/value write (client API and tests of linearizability)."""
+
+    key: str
+    value: str
+
+
+Command = Noop | AddLearner | Promote | RemoveMember | MarkDown | MarkUp | UpdateMember | SetRing | Put
+CONFIG_COMMANDS = (AddLearner, Promote, RemoveMember)
+
+
+@register(20)
+@dataclass(frozen=True, slots=True)
+class Entry:
+    index: int
+    term: int
+    command: Command
+
+
+@register(21)
+@dataclass(frozen=True, slots=True)
+class ClusterState:
+    """The replicated state every member applies from the log."""
+
+    cluster_id: ClusterId
+    members: tuple[Member, ...]
+    ring_epoch: int
+    ring: tuple[NodeId, ...]
+    kv: tuple[tuple[str, str], ...]
+
+
+@register(22)
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    index: int
+    term: int
+    config: Config
+    state: ClusterState
+
+
+# --------------------------------------------------------------------------------------
+# Raft messages
+
+
+@register(30)
+@dataclass(frozen=True, slots=True)
+class Header:
+    cluster: ClusterId
+    src: NodeId
+    src_inc: int
+    dst: NodeId
+    dst_inc: int
+    term: int
+
+
+@register(31)
+@dataclass(frozen=True, slots=True)
+class VoteRequest:
+    hdr: Header
+    prevote: bool
+    last_index: int
+    last_term: int
+    transfer: bool
+
+
+@register(32)
+@dataclass(frozen=True, slots=True)
+class VoteResponse:
+    hdr: Header
+    prevote: bool
+    granted: bool
+
+
+@register(33)
+@dataclass(frozen=True, slots=True)
+class AppendEntries:
+    hdr: Header
+    prev_index: int
+    prev_term: int
+    entries: tuple[Entry, ...]
+    commit: int
+    ctx: int
+
+
+@register(34)
+@dataclass(frozen=True, slots=True)
+class AppendResponse:
+    hdr: Header
+    success: bool
+    index: int
+    """On success the follower's match index; on rejection a hint where to probe next."""
+    ctx: int
+
+
+@register(35)
+@dataclass(frozen=True, slots=True)
+class InstallSnapshot:
+    hdr: Header
+    snapshot: Snapshot
+
+
+@register(36)
+@dataclass(frozen=True, slots=True)
+class TimeoutNow:
+    hdr: Header
+
+
+@register(37)
+@dataclass(frozen=True, slots=True)
+class ReadIndexRequest:
+    hdr: Header
+    ctx: int
+
+
+@register(38)
+@dataclass(frozen=True, slots=True)
+class ReadIndexResponse:
+    hdr: Header
+    ctx: int
+    index: int
+    ok: bool
+
+
+@register(39)
+@dataclass(frozen=True, slots=True)
+class ForwardProposal:
+    hdr: Header
+    command: Command
+
+
+RaftMessage = (
+    VoteRequest
+    | VoteResponse
+    | AppendEntries
+    | AppendResponse
+    | InstallSnapshot
+    | TimeoutNow
+    | ReadIndexRequest
+    | ReadIndexResponse
+    | ForwardProposal
+)
+
+# --------------------------------------------------------------------------------------
+# Formation and discovery messages (no term: they are about which cluster to be in)
+
+
+@register(50)
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Sent to every discovered peer: who I am and which cluster I am in."""
+
+    src: NodeId
+    inc: int
+    cluster: ClusterId | None
+    """None while the node has not formed or joined a cluster."""
+    members: int
+    healthy: bool
+    """True when the sender hears from a leader that holds a quorum."""
+    leader: NodeId | None
+    addresses: tuple[str, ...]
+    caps: Capabilities
+
+
+@register(51)
+@dataclass(frozen=True, slots=True)
+class JoinRequest:
+    src: NodeId
+    inc: int
+    cluster: ClusterId
+    addresses: tuple[str, ...]
+    caps: Capabilities
+
+
+@register(52)
+@dataclass(frozen=True, slots=True)
+class JoinReply:
+    src: NodeId
+    cluster: ClusterId
+    accepted: bool
+    leader: NodeId | None
+
+
+Message = RaftMessage | Hello | JoinRequest | JoinReply
