@@ -127,6 +127,10 @@ def _value_encoder(hint: Any) -> Callable[[Any], Any]:
             return lambda v: [inner(x) for x in v]
         inners = [_value_encoder(a) for a in args]
         return lambda v: [f(x) for f, x in zip(inners, v)]
+    if origin in (typing.Union, types.UnionType):
+        members = [_unwrap_newtype(m) for m in typing.get_args(hint) if m is not type(None)]
+        if all(m in (int, bool, str, bytes, float) for m in members):
+            return _identity
     # registered dataclasses and unions of them (or with None)
     return lambda v: None if v is None else _encode_value(v)
 
@@ -210,7 +214,7 @@ def _value_decoder(hint: Any, where: str) -> Callable[[Any], Any]:
     if origin in (typing.Union, types.UnionType):
         members = typing.get_args(hint)
         optional = type(None) in members
-        allowed = tuple(m for m in members if m is not type(None))
+        allowed = tuple(_unwrap_newtype(m) for m in members if m is not type(None))
         scalar = [m for m in allowed if m not in _tag_of]
         if scalar:
             if len(allowed) != 1:

@@ -1,0 +1,111 @@
+"""The replicated cluster state and the pure functions that apply log commands to it.
+
+Two views are derived from the same log:
+- the Raft configuration (voters and learners), which takes effect when a config command
+  is *appended* (apply_config_command, used by log.py);
+- the cluster state (members with addresses, capabilities and up/down, the ring, user
+  keys), which changes when a command is *applied* after commit (apply_command).
+Both are plain functions of immutable values, so any node (and the simulator's checker)
+replaying the same log gets the same result.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from p2pmesh.core.ids import ClusterId, NodeId
+from p2pmesh.core.messages import (
+    AddLearner,
+    ClusterState,
+    Command,
+    Config,
+    MarkDown,
+    MarkUp,
+    Member,
+    Noop,
+    Peer,
+    Promote,
+    Put,
+    RemoveMember,
+    SetRing,
+    UpdateMember,
+)
+
+KV_KEYS_MAX = 4096
+
+
+def empty_state(cluster_id: ClusterId) -> ClusterState:
+    return ClusterState(cluster_id=cluster_id, members=(), ring_epoch=0, ring=(), kv=())
+
+
+def apply_config_command(config: Config, cmd: Command) -> Config:
+    """The configuration after a config command (AddLearner, Promote, RemoveMember)."""
+    peer = Peer(cmd.node_id, cmd.inc)  # type: ignore[union-attr]
+    voters = [p for p in config.voters if p != peer]
+    learners = [p for p in config.learners if p != peer]
+    if isinstance(cmd, AddLearner):
+        if peer not in config.voters:
+            learners.append(peer)
+    elif isinstance(cmd, Promote):
+        if peer in config.learners or peer in config.voters:
+            voters.append(peer)
+    # RemoveMember: already filtered out of both.
+    return Config(voters=tuple(sorted(voters, key=_peer_key)), learners=tuple(sorted(learners, key=_peer_key)))
+
+
+def _peer_key(p: Peer) -> tuple[str, int]:
+    return (p.node_id, p.inc)
+
+
+def config_of(state: ClusterState) -> Config:
+    """The configuration the members of a state imply (used when forming and forking)."""
+    voters = tuple(sorted((Peer(m.node_id, m.inc) for m in state.members if m.voter), key=_peer_key))
+    learners = tuple(sorted((Peer(m.node_id, m.inc) for m in state.members if not m.voter), key=_peer_key))
+    return Config(voters=voters, learners=learners)
+
+
+def find_member(state: ClusterState, node_id: NodeId) -> Member | None:
+    for m in state.members:
+        if m.node_id == node_id:
+            return m
+    return None
+
+
+def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
+    """The cluster state after one committed command. Commands that no longer make sense
+    (a member already gone, a stale incarnation) leave the state unchanged."""
+    if isinstance(cmd, Noop):
+        return state
+    if isinstance(cmd, AddLearner):
+        others = tuple(m for m in state.members if m.node_id != cmd.node_id)
+        member = Member(cmd.node_id, cmd.inc, voter=False, up=True, addresses=cmd.addresses, caps=cmd.caps)
+        return replace(state, members=_sorted(others + (member,)))
+    if isinstance(cmd, RemoveMember):
+        members = tuple(m for m in state.members if not (m.node_id == cmd.node_id and m.inc == cmd.inc))
+        ring = tuple(n for n in state.ring if n != cmd.node_id)
+        return replace(state, members=members, ring=ring)
+    if isinstance(cmd, (Promote, MarkDown, MarkUp, UpdateMember)):
+        return replace(state, members=tuple(_update_member(m, cmd) for m in state.members))
+    if isinstance(cmd, SetRing):
+        return replace(state, ring_epoch=cmd.epoch, ring=cmd.order)
+    if isinstance(cmd, Put):
+        kv = dict(state.kv)
+        if cmd.key in kv or len(kv) < KV_KEYS_MAX:
+            kv[cmd.key] = cmd.value
+        return replace(state, kv=tuple(sorted(kv.items())))
+    raise AssertionError(f"unknown command {cmd!r}")
+
+
+def _update_member(m: Member, cmd: Promote | MarkDown | MarkUp | UpdateMember) -> Member:
+    if m.node_id != cmd.node_id or m.inc != cmd.inc:
+        return m
+    if isinstance(cmd, Promote):
+        return replace(m, voter=True)
+    if isinstance(cmd, MarkDown):
+        return replace(m, up=False)
+    if isinstance(cmd, MarkUp):
+        return replace(m, up=True)
+    return replace(m, addresses=cmd.addresses, caps=cmd.caps)
+
+
+def _sorted(members: tuple[Member, ...]) -> tuple[Member, ...]:
+    return tuple(sorted(members, key=lambda m: m.node_id))

@@ -1,0 +1,777 @@
+"""The node machine: everything one agent decides, as one pure state machine.
+
+It wraps a Raft object (raft.py) with the logic around consensus that makes p2pmesh
+plug-and-play: forming a cluster with no seed, joining, merging clusters, failure
+detection, learner promotion, removal, graceful leave and the standalone rule.
+
+Inputs are past-tense facts (FrameReceived, PeerDiscovered, TimerFired, ...), each with
+``now_ms``; the output of every input is one Ready batch. The driver persists the Ready's
+durable part (hard state, snapshot, log suffix), then sends its messages, then acts on the
+rest. The simulator and the agent both run this class unchanged.
+
+Formation and merging (no seed node, no configuration)
+- A fresh node is *unformed*. It greets every discovered peer (Hello). If it sees a
+  healthy cluster it asks to join it; otherwise, after ``formation_wait_ms``, the unformed
+  node with the lowest node id among those it hears bootstraps a one-member cluster and
+  the rest join it.
+- Clusters are ranked by (committed member count, then lowest cluster id). A member that
+  hears a Hello from a healthy cluster of higher rank leaves its cluster and joins that one
+  with a fresh incarnation; the losing side's committed state is given up, the surviving
+  side loses nothing. Ranks only change by committed membership changes, and a losing
+  cluster never grows, so two clusters never swap members back and forth.
+- A member whose cluster has had no working leader for ``standalone_after_ms`` (its side
+  holds no quorum) joins a healthy cluster it can see, or else continues alone as a new
+  standalone cluster with a new cluster id. It never commits anything in the old cluster
+  without a quorum. When connectivity returns the merge rule folds it back in.
+"""
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import dataclass, field
+
+from p2pmesh.core.cluster import empty_state, find_member
+from p2pmesh.core.errors import RemoteProtocolError
+from p2pmesh.core.ids import ClusterId, NodeId
+from p2pmesh.core.log import RaftLog
+from p2pmesh.core.messages import (
+    AddLearner,
+    Capabilities,
+    Command,
+    Config,
+    Entry,
+    ForwardProposal,
+    Header,
+    Hello,
+    JoinReply,
+    JoinRequest,
+    MarkDown,
+    MarkUp,
+    Message,
+    Peer,
+    Promote,
+    RemoveMember,
+    Snapshot,
+)
+from p2pmesh.core.raft import HardState, Raft, RaftOutput, Role
+from p2pmesh.core.settings import Settings
+from p2pmesh.core import wire
+
+INC_MAX = 2**63 - 1
+_EVENT_NAMES = {
+    AddLearner: "member joined as learner",
+    Promote: "member promoted to voter",
+    RemoveMember: "member removed",
+    MarkDown: "member down",
+    MarkUp: "member up",
+}
+
+
+class Mode(enum.Enum):
+    UNFORMED = "unformed"
+    MEMBER = "member"
+    LEFT = "left"
+
+
+# --------------------------------------------------------------------------------------
+# Inputs (past-tense facts)
+
+
+@dataclass(frozen=True, slots=True)
+class FrameReceived:
+    """A frame arrived over a connection authenticated as ``peer``."""
+
+    peer: NodeId
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDiscovered:
+    node_id: NodeId
+    addresses: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerVanished:
+    node_id: NodeId
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFired:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ProposalRequested:
+    command: Command
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRequested:
+    ctx: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveRequested:
+    pass
+
+
+Input = FrameReceived | PeerDiscovered | PeerVanished | TimerFired | ProposalRequested | ReadRequested | LeaveRequested
+
+
+# --------------------------------------------------------------------------------------
+# Outputs
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHardState:
+    """Durable per-node facts besides the log: which cluster, which incarnation, Raft's
+    term and vote. Written before any message of the same Ready is sent."""
+
+    cluster: ClusterId | None
+    inc: int
+    term: int
+    vote: Peer | None
+
+
+@dataclass(frozen=True, slots=True)
+class PersistedState:
+    """What a driver hands back at boot: the last hard state, snapshot and entries."""
+
+    hard: NodeHardState
+    snapshot: Snapshot
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterEvent:
+    """Something worth one log line: kind is a short verb phrase, detail a node or term."""
+
+    kind: str
+    detail: str
+
+
+@dataclass(slots=True)
+class Ready:
+    hard: NodeHardState | None = None
+    snapshot: Snapshot | None = None
+    log_truncate_from: int | None = None
+    log_entries: tuple[Entry, ...] = ()
+    messages: list[tuple[NodeId, Message]] = field(default_factory=list)
+    applied: list[Entry] = field(default_factory=list)
+    reads: list[tuple[int, bool]] = field(default_factory=list)
+    events: list[ClusterEvent] = field(default_factory=list)
+    left: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    node_id: NodeId
+    inc: int
+    mode: Mode
+    cluster: ClusterId | None
+    role: str
+    term: int
+    leader: NodeId | None
+    commit_index: int
+    applied_index: int
+    healthy: bool
+
+
+@dataclass(slots=True)
+class _PeerInfo:
+    addresses: tuple[str, ...]
+    hello: Hello | None = None
+    hello_ms: int = -1
+    mate: Peer | None = None
+    """The incarnation last seen speaking Raft in our cluster (so no Hello is needed)."""
+    replied_ms: int = -(10**9)
+
+
+# --------------------------------------------------------------------------------------
+
+
+class Machine:
+    """One node's complete decision logic. Construct with ``Machine.boot``."""
+
+    raft_class: type[Raft] = Raft
+
+    def __init__(
+        self,
+        *,
+        node_id: NodeId,
+        settings: Settings,
+        rng: random.Random,
+        now_ms: int,
+        addresses: tuple[str, ...],
+        caps: Capabilities,
+    ) -> None:
+        self.node_id = node_id
+        self.settings = settings
+        self.rng = rng
+        self.addresses = addresses
+        self.caps = caps
+        self.mode = Mode.UNFORMED
+        self.inc = self._new_inc()
+        self.raft: Raft | None = None
+        self.started_ms = now_ms
+        self.peers: dict[NodeId, _PeerInfo] = {}
+        self.last_heard: dict[NodeId, int] = {}
+        self.leader_since_ms = 0
+        self.unhealthy_since_ms: int | None = now_ms
+        self.hello_due_ms = now_ms
+        self.joining: NodeId | None = None
+        self.join_started_ms = 0
+        self.leaving = False
+        self.leave_deadline_ms = 0
+        self.rejected_frames = 0
+        self.ready = Ready()
+        self._last_leader: NodeId | None = None
+        self._inflight: dict[tuple[str, str], int] = {}
+
+    # ------------------------------------------------------------------------------
+    # Construction
+
+    @classmethod
+    def boot(
+        cls,
+        *,
+        node_id: NodeId,
+        persisted: PersistedState | None,
+        settings: Settings,
+        rng: random.Random,
+        now_ms: int,
+        addresses: tuple[str, ...] = (),
+        caps: Capabilities = Capabilities(0, "unknown"),
+    ) -> tuple[Machine, Ready]:
+        m = cls(node_id=node_id, settings=settings, rng=rng, now_ms=now_ms, addresses=addresses, caps=caps)
+        if persisted is None or persisted.hard.cluster is None:
+            if persisted is not None:
+                m.inc = persisted.hard.inc
+            m._persist_hard()
+        else:
+            m.inc = persisted.hard.inc
+            m.mode = Mode.MEMBER
+            log = RaftLog(persisted.snapshot, list(persisted.entries))
+            hard = HardState(persisted.hard.term, persisted.hard.vote)
+            m.raft = m._new_raft(persisted.hard.cluster, hard, log, now_ms)
+            m.ready.events.append(ClusterEvent("restarted", f"cluster {persisted.hard.cluster}"))
+        return m, m._take_ready()
+
+    def _new_inc(self) -> int:
+        return self.rng.randint(1, INC_MAX)
+
+    def _new_raft(self, cluster: ClusterId, hard: HardState, log: RaftLog, now_ms: int) -> Raft:
+        return self.raft_class(
+            me=Peer(self.node_id, self.inc),
+            cluster=cluster,
+            hard=hard,
+            log=log,
+            settings=self.settings,
+            rng=self.rng,
+            now_ms=now_ms,
+        )
+
+    # ------------------------------------------------------------------------------
+    # Queries
+
+    @property
+    def me(self) -> Peer:
+        return Peer(self.node_id, self.inc)
+
+    @property
+    def cluster(self) -> ClusterId | None:
+        return self.raft.cluster if self.raft else None
+
+    def status(self) -> Status:
+        r = self.raft
+        role = "unformed" if self.mode is Mode.UNFORMED else "left" if self.mode is Mode.LEFT else "joining"
+        if r is not None:
+            if r.is_voter():
+                role = r.role.value
+            elif self.me in r.config.learners:
+                role = "learner"
+            if len(r.config.voters) == 1 and r.is_voter() and r.role is Role.LEADER:
+                role = "standalone"
+        return Status(
+            node_id=self.node_id,
+            inc=self.inc,
+            mode=self.mode,
+            cluster=self.cluster,
+            role=role,
+            term=r.term if r else 0,
+            leader=r.leader.node_id if r and r.leader else None,
+            commit_index=r.commit if r else 0,
+            applied_index=r.applied if r else 0,
+            healthy=self._healthy(self.started_ms),
+        )
+
+    def next_deadline_ms(self) -> int:
+        due = self.hello_due_ms
+        if self.raft is not None:
+            due = min(due, self.raft.next_deadline_ms())
+        return due
+
+    def _healthy(self, now_ms: int) -> bool:
+        r = self.raft
+        if r is None or self.mode is not Mode.MEMBER:
+            return False
+        if r.role is Role.LEADER:
+            return True
+        return r.leader is not None and r.leader_contact_ms is not None and now_ms - r.leader_contact_ms <= self.settings.election_max_ms
+
+    # ------------------------------------------------------------------------------
+    # The one entry point
+
+    def handle(self, event: Input, now_ms: int) -> Ready:
+        if self.mode is Mode.LEFT:
+            return self._take_ready()
+        if isinstance(event, FrameReceived):
+            self._on_frame(event, now_ms)
+        elif isinstance(event, TimerFired):
+            self._on_timer(now_ms)
+        elif isinstance(event, PeerDiscovered):
+            self._on_discovered(event, now_ms)
+        elif isinstance(event, PeerVanished):
+            self.peers.pop(event.node_id, None)
+        elif isinstance(event, ProposalRequested):
+            self._propose(event.command, now_ms)
+        elif isinstance(event, ReadRequested):
+            if self.raft is None:
+                self.ready.reads.append((event.ctx, False))
+            else:
+                self.raft.read(event.ctx, now_ms)
+        elif isinstance(event, LeaveRequested):
+            if not self.leaving:
+                self.leaving = True
+                self.leave_deadline_ms = now_ms + self.settings.leave_timeout_ms
+            self._drive_leave(now_ms)
+        self._after(now_ms)
+        return self._take_ready()
+
+    def _take_ready(self) -> Ready:
+        ready, self.ready = self.ready, Ready()
+        return ready
+
+    # ------------------------------------------------------------------------------
+    # Frames
+
+    def _on_frame(self, event: FrameReceived, now_ms: int) -> None:
+        try:
+            msg = wire.decode(event.data)
+        except RemoteProtocolError:
+            self.rejected_frames += 1
+            return
+        self.receive(event.peer, msg, now_ms)
+
+    def receive(self, peer: NodeId, msg: Message, now_ms: int) -> None:
+        """Handle a decoded message from an authenticated peer (checks who claims what)."""
+        claimed = msg.hdr.src if hasattr(msg, "hdr") else msg.src  # type: ignore[union-attr]
+        if claimed != peer:
+            self.rejected_frames += 1  # a peer claiming another node's id
+            return
+        self.last_heard[peer] = now_ms
+        if isinstance(msg, Hello):
+            self._on_hello(msg, now_ms)
+        elif isinstance(msg, JoinRequest):
+            self._on_join_request(msg, now_ms)
+        elif isinstance(msg, JoinReply):
+            self._on_join_reply(msg)
+        else:
+            self._on_raft_message(msg, now_ms)
+
+    def _on_raft_message(self, msg: Message, now_ms: int) -> None:
+        r = self.raft
+        hdr: Header = msg.hdr  # type: ignore[union-attr]
+        if r is None or hdr.cluster != r.cluster or hdr.dst != self.node_id or hdr.dst_inc != self.inc:
+            self.rejected_frames += 1
+            return
+        info = self.peers.get(hdr.src)
+        if info is not None and (info.mate is None or info.mate.inc != hdr.src_inc):
+            info.mate = Peer(hdr.src, hdr.src_inc)
+        r.step(msg, now_ms)
+
+    # ------------------------------------------------------------------------------
+    # Discovery and formation
+
+    def _on_discovered(self, event: PeerDiscovered, now_ms: int) -> None:
+        if event.node_id == self.node_id:
+            return
+        info = self.peers.get(event.node_id)
+        if info is None:
+            if len(self.peers) >= self.settings.peers_known_max:
+                return
+            self.peers[event.node_id] = _PeerInfo(event.addresses)
+            self._send_hello(event.node_id, now_ms)
+        else:
+            info.addresses = event.addresses
+
+    def _hello(self, now_ms: int) -> Hello:
+        r = self.raft
+        members = len(r.state.members) if r is not None and self.mode is Mode.MEMBER else 0
+        leader = r.leader.node_id if r is not None and r.leader is not None else None
+        return Hello(self.node_id, self.inc, self.cluster, members, self._healthy(now_ms), leader, self.addresses, self.caps)
+
+    def _send_hello(self, to: NodeId, now_ms: int) -> None:
+        self.ready.messages.append((to, self._hello(now_ms)))
+
+    def _on_hello(self, h: Hello, now_ms: int) -> None:
+        info = self.peers.get(h.src)
+        if info is None:
+            if len(self.peers) >= self.settings.peers_known_max:
+                return
+            info = self.peers[h.src] = _PeerInfo(h.addresses)
+        info.hello = h
+        info.hello_ms = now_ms
+        info.mate = None
+        if h.cluster != self.cluster or h.cluster is None:
+            # Answer someone outside our cluster at once (at most once per hello period):
+            # it speeds up formation and lets a rejoining Mac hear about us.
+            if now_ms - info.replied_ms >= self.settings.hello_ms:
+                info.replied_ms = now_ms
+                self._send_hello(h.src, now_ms)
+
+    def _fresh_hellos(self, now_ms: int) -> list[Hello]:
+        horizon = now_ms - self.settings.peer_silent_ms
+        return [p.hello for p in self.peers.values() if p.hello is not None and p.hello_ms >= horizon]
+
+    @staticmethod
+    def _rank(members: int, cluster: ClusterId) -> tuple[int, str]:
+        # Larger clusters win; between equals the lower id wins (negate by inverting chars).
+        return (members, "".join(chr(0x10FFFF - ord(c)) for c in cluster))
+
+    def _best_foreign_cluster(self, now_ms: int) -> Hello | None:
+        best: Hello | None = None
+        for h in self._fresh_hellos(now_ms):
+            if h.cluster is None or not h.healthy or h.cluster == self.cluster or h.members == 0:
+                continue
+            if best is None or self._rank(h.members, h.cluster) > self._rank(best.members, best.cluster):  # type: ignore[arg-type]
+                best = h
+        return best
+
+    def _formation_step(self, now_ms: int) -> None:
+        """Decide, on the hello timer, whether to bootstrap, join, switch or go standalone."""
+        if self.leaving:
+            return
+        best = self._best_foreign_cluster(now_ms)
+        if self.mode is Mode.UNFORMED:
+            if best is not None:
+                self._join(best, now_ms)
+            elif now_ms - self.started_ms >= self.settings.formation_wait_ms and self._lowest_unformed(now_ms):
+                self._bootstrap(now_ms, reason="formed")
+            return
+        r = self.raft
+        assert r is not None
+        if self.joining is not None and r.me not in r.config.voters and r.me not in r.config.learners:
+            # Still waiting to be added: keep asking, give up after a while.
+            if now_ms - self.join_started_ms > self.settings.standalone_after_ms:
+                self._become_unformed(now_ms, "join timed out")
+            else:
+                self._send_join(self.joining)
+            return
+        self.joining = None
+        unhealthy_long = (
+            self.unhealthy_since_ms is not None and now_ms - self.unhealthy_since_ms >= self.settings.standalone_after_ms
+        )
+        if best is not None:
+            mine = self._rank(len(r.state.members), r.cluster)
+            if self._rank(best.members, best.cluster) > mine or unhealthy_long:  # type: ignore[arg-type]
+                self._join(best, now_ms)
+                return
+        if unhealthy_long:
+            # Our own cluster is alive without us (we were removed, or cut off from the
+            # leader for long): come back as a fresh incarnation.
+            mates = [h for h in self._fresh_hellos(now_ms) if h.cluster == r.cluster and h.healthy and h.leader]
+            if mates:
+                self._join(mates[0], now_ms)
+                return
+        if unhealthy_long and r.config.voters != (self.me,):
+            self._bootstrap(now_ms, reason="standalone")
+
+    def _lowest_unformed(self, now_ms: int) -> bool:
+        return all(h.src > self.node_id for h in self._fresh_hellos(now_ms) if h.cluster is None)
+
+    def _bootstrap(self, now_ms: int, *, reason: str) -> None:
+        """Found a new one-member cluster (a first formation, or continuing standalone)."""
+        cluster = ClusterId(f"{self.rng.getrandbits(64):016x}")
+        self._reset_identity()
+        me = self.me
+        base = Snapshot(0, 0, Config((), ()), empty_state(cluster))
+        entries = [
+            Entry(1, 1, AddLearner(self.node_id, self.inc, self.addresses, self.caps)),
+            Entry(2, 1, Promote(self.node_id, self.inc)),
+        ]
+        log = RaftLog(base, entries)
+        self.raft = self._new_raft(cluster, HardState(1, me), log, now_ms)
+        self.raft.commit = 2
+        self.raft._apply_committed()
+        self.mode = Mode.MEMBER
+        self.joining = None
+        self.unhealthy_since_ms = now_ms
+        self._persist_switch(base)
+        self.ready.events.append(ClusterEvent(f"cluster {reason}", cluster))
+        self.raft.campaign(now_ms, prevote=True, transfer=False)
+
+    def _join(self, target: Hello, now_ms: int) -> None:
+        assert target.cluster is not None
+        old = self.cluster
+        self._reset_identity()
+        base = Snapshot(0, 0, Config((), ()), empty_state(target.cluster))
+        self.raft = self._new_raft(target.cluster, HardState(0, None), RaftLog(base), now_ms)
+        self.mode = Mode.MEMBER
+        self.joining = target.src
+        self.join_started_ms = now_ms
+        self.unhealthy_since_ms = now_ms
+        self._persist_switch(base)
+        detail = f"{target.cluster} (from {old})" if old else target.cluster
+        self.ready.events.append(ClusterEvent("joining cluster", detail))
+        self._send_join(target.src)
+
+    def _send_join(self, to: NodeId) -> None:
+        r = self.raft
+        assert r is not None
+        self.ready.messages.append((to, JoinRequest(self.node_id, self.inc, r.cluster, self.addresses, self.caps)))
+
+    def _become_unformed(self, now_ms: int, reason: str) -> None:
+        self._reset_identity()
+        self.raft = None
+        self.mode = Mode.UNFORMED
+        self.joining = None
+        self.started_ms = now_ms
+        self.ready.events.append(ClusterEvent("unformed", reason))
+        self._persist_hard()
+
+    def _reset_identity(self) -> None:
+        # A fresh log always comes with a fresh incarnation: nobody may mistake the new,
+        # empty log for the old one (the node-id reuse hazard of etcd-io/raft).
+        self.inc = self._new_inc()
+        self.last_heard = {}
+
+    def _persist_switch(self, base: Snapshot) -> None:
+        r = self.raft
+        assert r is not None
+        self.ready.snapshot = base
+        self.ready.log_truncate_from = base.index + 1
+        self.ready.log_entries = tuple(r.log.entries)
+        r.out.log_dirty_from = None
+        self._persist_hard()
+
+    def _persist_hard(self) -> None:
+        r = self.raft
+        self.ready.hard = NodeHardState(
+            self.cluster,
+            self.inc,
+            r.term if r else 0,
+            r.vote if r else None,
+        )
+
+    # ------------------------------------------------------------------------------
+    # Joining (leader side), promotion, failure detection, removal
+
+    def _on_join_request(self, j: JoinRequest, now_ms: int) -> None:
+        r = self.raft
+        if r is None or j.cluster != r.cluster:
+            self.ready.messages.append((j.src, JoinReply(self.node_id, self.cluster or ClusterId(""), False, None)))
+            return
+        if r.role is not Role.LEADER:
+            hint = r.leader.node_id if r.leader is not None else None
+            self.ready.messages.append((j.src, JoinReply(self.node_id, r.cluster, False, hint)))
+            return
+        peer = Peer(j.src, j.inc)
+        config = r.config
+        stale = [p for p in (*config.voters, *config.learners) if p.node_id == j.src and p != peer]
+        if peer in config.voters or peer in config.learners:
+            accepted = True
+        elif stale:
+            # The same Mac with a fresh log: retire the old incarnation first.
+            self._propose_once(RemoveMember(stale[0].node_id, stale[0].inc, "rejoined with a new log"), now_ms)
+            accepted = False
+        else:
+            accepted = self._propose_once(AddLearner(j.src, j.inc, j.addresses, j.caps), now_ms)
+        self.last_heard[j.src] = now_ms
+        self.ready.messages.append((j.src, JoinReply(self.node_id, r.cluster, accepted, self.node_id)))
+
+    def _on_join_reply(self, reply: JoinReply) -> None:
+        r = self.raft
+        if r is None or self.joining is None or reply.cluster != r.cluster:
+            return
+        if not reply.accepted and reply.leader is not None and reply.leader != self.joining:
+            self.joining = reply.leader
+            self._send_join(reply.leader)
+
+    def _propose_once(self, command: Command, now_ms: int) -> bool:
+        """Propose unless the same command is already in flight (not yet applied)."""
+        r = self.raft
+        assert r is not None
+        key = (type(command).__name__, getattr(command, "node_id", ""))
+        index = self._inflight.get(key)
+        if index is not None and index > r.applied and r.log.last_index >= index:
+            return True
+        index = r.propose(command, now_ms)
+        if index is None:
+            return False
+        self._inflight[key] = index
+        return True
+
+    def _leader_duties(self, now_ms: int) -> None:
+        r = self.raft
+        assert r is not None and r.role is Role.LEADER
+        if not r.config_change_allowed() or r.transfer_to is not None:
+            self._detect(now_ms, config_ok=False)
+            return
+        # Promote one caught-up learner at a time.
+        for peer in r.config.learners:
+            pr = r.progress.get(peer)
+            if pr is not None and pr.match >= r.commit - self.settings.promote_lag_entries and pr.match > 0:
+                if self._propose_once(Promote(peer.node_id, peer.inc), now_ms):
+                    return
+        self._detect(now_ms, config_ok=True)
+
+    def _detect(self, now_ms: int, *, config_ok: bool) -> None:
+        r = self.raft
+        assert r is not None
+        s = self.settings
+        for member in r.state.members:
+            if member.node_id == self.node_id:
+                continue
+            heard = self.last_heard.get(member.node_id, self.leader_since_ms)
+            silent_ms = now_ms - max(heard, self.leader_since_ms)
+            if member.up and silent_ms >= s.down_after_ms:
+                self._propose_once(MarkDown(member.node_id, member.inc), now_ms)
+            elif not member.up and silent_ms < s.down_after_ms:
+                self._propose_once(MarkUp(member.node_id, member.inc), now_ms)
+            elif config_ok and not member.up and silent_ms >= s.remove_after_ms and self._removal_keeps_quorum(member.node_id):
+                if self._propose_once(RemoveMember(member.node_id, member.inc, "unreachable"), now_ms):
+                    config_ok = False
+
+    def _removal_keeps_quorum(self, node_id: NodeId) -> bool:
+        r = self.raft
+        assert r is not None
+        voters = [p for p in r.config.voters if p.node_id != node_id]
+        if len(voters) == len(r.config.voters):
+            return True  # a learner: always safe to remove
+        up = {m.node_id for m in r.state.members if m.up}
+        up.add(self.node_id)
+        live = sum(1 for p in voters if p.node_id in up)
+        return len(voters) >= 1 and live >= len(voters) // 2 + 1
+
+    # ------------------------------------------------------------------------------
+    # Proposals and leaving
+
+    def _propose(self, command: Command, now_ms: int) -> None:
+        r = self.raft
+        if r is None:
+            return
+        if r.role is Role.LEADER:
+            r.propose(command, now_ms)
+        elif r.leader is not None:
+            self.ready.messages.append((r.leader.node_id, ForwardProposal(r._hdr(r.leader), command)))
+
+    def _drive_leave(self, now_ms: int) -> None:
+        r = self.raft
+        if r is None or self.mode is not Mode.MEMBER:
+            self._finish_leave()
+            return
+        if now_ms >= self.leave_deadline_ms:
+            # No leader acknowledged in time: stop anyway; the cluster will mark us down
+            # and remove us after remove_after_ms, exactly as for a crash.
+            self.ready.events.append(ClusterEvent("leave not confirmed", "stopping anyway"))
+            self._finish_leave()
+            return
+        still_member = any(p.node_id == self.node_id for p in (*r.config.voters, *r.config.learners))
+        if not still_member or (len(r.config.voters) <= 1 and not r.config.learners):
+            self._finish_leave()
+            return
+        if r.role is Role.LEADER:
+            others = [p for p in r.config.voters if p != self.me]
+            if others and r.transfer_to is None:
+                best = max(others, key=lambda p: (r.progress[p].match if p in r.progress else -1, p.node_id))
+                r.transfer_leadership(best, now_ms)
+            elif not others:
+                r.propose(RemoveMember(self.node_id, self.inc, "left"), now_ms)
+        elif r.leader is not None:
+            cmd = RemoveMember(self.node_id, self.inc, "left")
+            self.ready.messages.append((r.leader.node_id, ForwardProposal(r._hdr(r.leader), cmd)))
+
+    def _finish_leave(self) -> None:
+        self.mode = Mode.LEFT
+        self.ready.left = True
+        self.ready.events.append(ClusterEvent("left cluster", self.cluster or "-"))
+
+    # ------------------------------------------------------------------------------
+    # Timers and bookkeeping after every input
+
+    def _on_timer(self, now_ms: int) -> None:
+        if self.raft is not None:
+            self.raft.tick(now_ms)
+        if now_ms >= self.hello_due_ms:
+            self.hello_due_ms = now_ms + self.settings.hello_ms
+            self._formation_step(now_ms)
+            self._greet(now_ms)
+            if self.leaving:
+                self._drive_leave(now_ms)
+
+    def _greet(self, now_ms: int) -> None:
+        """Hello every known peer that is not a current cluster-mate (mates hear Raft)."""
+        r = self.raft
+        members = set((*r.config.voters, *r.config.learners)) if r else set()
+        hello = self._hello(now_ms)
+        for node_id, info in self.peers.items():
+            if info.mate is not None and info.mate in members:
+                continue
+            info.replied_ms = now_ms
+            self.ready.messages.append((node_id, hello))
+
+    def _after(self, now_ms: int) -> None:
+        r = self.raft
+        if r is None:
+            return
+        if r.role is Role.LEADER:
+            if self._last_leader != self.node_id:
+                self.leader_since_ms = now_ms
+                self._inflight = {}
+            self._leader_duties(now_ms)
+        if self._healthy(now_ms):
+            self.unhealthy_since_ms = None
+        elif self.unhealthy_since_ms is None:
+            self.unhealthy_since_ms = now_ms
+        out = r.take_output()
+        self._merge_output(out, now_ms)
+        leader = r.leader.node_id if r.leader else None
+        if leader != self._last_leader:
+            self._last_leader = leader
+            if leader is not None:
+                self.ready.events.append(ClusterEvent("leader elected", f"{leader} term {r.term}"))
+        if self.leaving and out.applied:
+            self._drive_leave(now_ms)
+        if self.mode is Mode.MEMBER and not self.leaving and out.applied and self._removed_from(r):
+            self._become_unformed(now_ms, "removed from the cluster")
+
+    def _removed_from(self, r: Raft) -> bool:
+        # Removed means: the committed configuration no longer lists this incarnation,
+        # after it once did (a joiner that is not yet added is not "removed").
+        if self.joining is not None:
+            return False
+        cfg = r.log.config_at(r.commit)
+        return self.me not in cfg.voters and self.me not in cfg.learners
+
+    def _merge_output(self, out: RaftOutput, now_ms: int) -> None:
+        ready = self.ready
+        r = self.raft
+        assert r is not None
+        ready.messages.extend(out.messages)
+        ready.applied.extend(out.applied)
+        ready.reads.extend(out.reads)
+        if out.hard_state is not None:
+            self._persist_hard()
+        if out.snapshot is not None and ready.snapshot is None:
+            ready.snapshot = out.snapshot
+        if out.log_dirty_from is not None:
+            start = out.log_dirty_from
+            if ready.log_truncate_from is None or start < ready.log_truncate_from:
+                ready.log_truncate_from = start
+            ready.log_entries = tuple(r.log.entries[max(0, ready.log_truncate_from - r.log.first_index) :])
+        for entry in out.applied:
+            cmd = entry.command
+            if isinstance(cmd, (AddLearner, Promote, RemoveMember, MarkDown, MarkUp)):
+                ready.events.append(ClusterEvent(_EVENT_NAMES[type(cmd)], cmd.node_id))

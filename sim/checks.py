@@ -1,0 +1,228 @@
+"""Invariants, checked incrementally as the world runs (never only at the end).
+
+Safety, checked on every Ready and every completed fsync:
+- election safety: at most one leader per (cluster, term);
+- entry uniqueness: one (cluster, index, term) names one command everywhere (with leaders
+  that never overwrite their own entries, this is the Log Matching property);
+- committed = durable on a quorum: when any node acts on an applied entry, a majority of
+  the voters of the configuration at that index hold it *on synced disk*;
+- state-machine safety: no two nodes apply different entries at one index;
+- leader completeness: a new leader holds every entry applied anywhere in its cluster;
+- hard state across restarts: a rebooted incarnation never has a lower term than any
+  message it sent, nor a different vote in a term it voted in;
+- one pending membership change per leader, and config changes only once the leader has
+  committed an entry of its own term;
+- removed nodes can't disrupt: no in-lease member adopts a higher term from a node
+  outside its configuration;
+- reads are linearizable: a read that completes sees every write acknowledged before it
+  was issued.
+A violation raises InvariantViolated carrying the name of the invariant.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from p2pmesh.core.ids import ClusterId, NodeId
+from p2pmesh.core.machine import Ready
+from p2pmesh.core.messages import CONFIG_COMMANDS, MarkDown, Put, VoteResponse
+from p2pmesh.core.raft import Role
+
+if TYPE_CHECKING:
+    from sim.world import SimNode, World
+
+
+class InvariantViolated(AssertionError):
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"{invariant}: {detail}")
+        self.invariant = invariant
+        self.detail = detail
+
+
+@dataclass(slots=True)
+class _HardSeen:
+    term: int = 0
+    votes: dict[int, NodeId] = field(default_factory=dict)
+
+
+class Checker:
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.leaders: dict[tuple[ClusterId, int], NodeId] = {}
+        self.entries: dict[tuple[ClusterId, int, int], object] = {}
+        self.applied: dict[tuple[ClusterId, int], tuple[int, object]] = {}
+        self.applied_max: dict[ClusterId, int] = {}
+        self.sent_hard: dict[tuple[NodeId, int], _HardSeen] = {}
+        self.puts_acked: dict[ClusterId, dict[str, int]] = {}
+        """cluster -> key -> virtual time (us) the write was acknowledged to its client."""
+        self.puts_pending: dict[tuple[NodeId, str], str] = {}
+        self.reads_issued: dict[tuple[NodeId, int], int] = {}
+        self.reads_ok = 0
+        self.markdowns: list[tuple[int, NodeId]] = []
+        self.forbid_markdown = False
+        self._was_leader: set[tuple[NodeId, int, int]] = set()
+        self.wiped: dict[tuple[NodeId, int], object] = {}
+
+    def fail(self, invariant: str, detail: str) -> None:
+        raise InvariantViolated(invariant, detail)
+
+    # ------------------------------------------------------------------------------
+    # Hooks called by the world
+
+    def on_boot(self, node: SimNode) -> None:
+        m = node.machine
+        assert m is not None
+        seen = self.sent_hard.get((node.node_id, m.inc))
+        if seen is None or m.raft is None:
+            return
+        r = m.raft
+        if r.term < seen.term:
+            self.fail("term-monotonic", f"{node.name} rebooted at term {r.term} after sending term {seen.term}")
+        voted = seen.votes.get(r.term)
+        if voted is not None and (r.vote is None or r.vote.node_id != voted):
+            self.fail("vote-durable", f"{node.name} rebooted in term {r.term} with vote {r.vote} after voting for {voted}")
+
+    def on_crash(self, node: SimNode) -> None:
+        pass
+
+    def on_wipe(self, node: SimNode) -> None:
+        # A wiped disk loses entries that were durable when they committed; remember the
+        # image so the durability check judges commits by what was true at the time.
+        img = node.disk.synced
+        if img.hard is not None:
+            self.wiped[(node.node_id, img.hard.inc)] = img
+
+    def after_handle(self, node: SimNode, ready: Ready) -> None:
+        m = node.machine
+        assert m is not None
+        r = m.raft
+        if r is None:
+            return
+        cluster = r.cluster
+        for e in ready.log_entries:
+            key = (cluster, e.index, e.term)
+            known = self.entries.get(key)
+            if known is None:
+                self.entries[key] = e.command
+            elif known != e.command:
+                self.fail("log-matching", f"{node.name} holds a different entry at index {e.index} term {e.term}")
+        if r.role is Role.LEADER:
+            self._check_leader(node, r, ready)
+
+    def _check_leader(self, node: SimNode, r: object, ready: Ready) -> None:
+        from p2pmesh.core.raft import Raft
+
+        assert isinstance(r, Raft)
+        key = (r.cluster, r.term)
+        holder = self.leaders.setdefault(key, node.node_id)
+        if holder != node.node_id:
+            self.fail("election-safety", f"two leaders in term {r.term}: {holder[:8]} and {node.node_id[:8]}")
+        stamp = (node.node_id, r.me.inc, r.term)
+        if stamp not in self._was_leader:
+            self._was_leader.add(stamp)
+            upto = self.applied_max.get(r.cluster, 0)
+            for index in range(r.log.snapshot.index + 1, upto + 1):
+                rec = self.applied.get((r.cluster, index))
+                if rec is not None and r.log.term_at(index) != rec[0]:
+                    self.fail("leader-completeness", f"{node.name} leads term {r.term} without committed entry {index}")
+            if upto > r.log.last_index:
+                self.fail("leader-completeness", f"{node.name} leads term {r.term} with log ending at {r.log.last_index} < {upto}")
+        if r.pending_conf_index > r.commit and r.log.term_at(r.pending_conf_index) == r.term:
+            # This leader appended a config entry that is still uncommitted: it must be the
+            # only uncommitted one, and the leader must have committed its term first.
+            start = r.log.first_index + max(0, r.commit - r.log.snapshot.index)
+            own = [e for e in r.log.entries[start - r.log.first_index :] if isinstance(e.command, CONFIG_COMMANDS)]
+            if len(own) > 1:
+                self.fail("one-pending-config-change", f"{node.name} has {len(own)} uncommitted config entries")
+        if r.commit < r.term_start_index:
+            for e in ready.log_entries:
+                if e.term == r.term and isinstance(e.command, CONFIG_COMMANDS):
+                    self.fail("config-after-own-term-commit", f"{node.name} appended a config change before committing its term")
+
+    def after_sync(self, node: SimNode, ready: Ready) -> None:
+        m = node.machine
+        if m is None:
+            return
+        r = m.raft
+        inc = m.inc
+        for _, msg in ready.messages:
+            hdr = getattr(msg, "hdr", None)
+            if hdr is None or getattr(msg, "prevote", False):
+                continue  # pre-votes name a term the sender has not (and need not) adopt
+            seen = self.sent_hard.get((node.node_id, inc))
+            if seen is None:
+                seen = self.sent_hard[(node.node_id, inc)] = _HardSeen()
+            if hdr.term > seen.term:
+                seen.term = hdr.term
+            if isinstance(msg, VoteResponse) and msg.granted and not msg.prevote:
+                seen.votes[hdr.term] = hdr.dst
+        if r is None:
+            return
+        for e in ready.applied:
+            self._check_applied(node, r, e)
+        for ctx, ok in ready.reads:
+            issued = self.reads_issued.pop((node.node_id, ctx), None)
+            if ok and issued is not None:
+                self.reads_ok += 1
+                visible = dict(r.state.kv)
+                for key, acked_us in self.puts_acked.get(r.cluster, {}).items():
+                    if acked_us < issued and key not in visible:
+                        self.fail("linearizable-read", f"{node.name} read at ctx {ctx} misses write {key} acknowledged before it")
+
+    def _check_applied(self, node: SimNode, r: object, e: object) -> None:
+        from p2pmesh.core.messages import Entry
+        from p2pmesh.core.raft import Raft
+
+        assert isinstance(r, Raft) and isinstance(e, Entry)
+        key = (r.cluster, e.index)
+        rec = self.applied.get(key)
+        if rec is None:
+            self._check_durable_quorum(node, r, e)
+            self.applied[key] = (e.term, e.command)
+            if e.index > self.applied_max.get(r.cluster, 0):
+                self.applied_max[r.cluster] = e.index
+        elif rec != (e.term, e.command):
+            self.fail("state-machine-safety", f"{node.name} applied a different entry at index {e.index}")
+        cmd = e.command
+        if isinstance(cmd, Put):
+            if self.puts_pending.pop((node.node_id, cmd.key), None) is not None:
+                self.puts_acked.setdefault(r.cluster, {}).setdefault(cmd.key, self.world.now_us)
+        elif isinstance(cmd, MarkDown) and r.role is Role.LEADER:
+            self.markdowns.append((self.world.now_us, cmd.node_id))
+            if self.forbid_markdown:
+                self.fail("no-false-down", f"{cmd.node_id[:8]} marked down although it never went silent")
+
+    def _check_durable_quorum(self, node: SimNode, r: object, e: object) -> None:
+        from p2pmesh.core.messages import Entry
+        from p2pmesh.core.raft import Raft
+
+        assert isinstance(r, Raft) and isinstance(e, Entry)
+        if e.index <= 2 and e.term == 1:
+            return  # the bootstrap entries of a founder's log, committed by construction
+        config = r.log.config_at(e.index)
+        holders = 0
+        for voter in config.voters:
+            peer = self.world.by_id.get(voter.node_id)
+            if peer is None:
+                continue
+            img = peer.disk.synced
+            if img.hard is None or img.hard.inc != voter.inc:
+                img = self.wiped.get((voter.node_id, voter.inc), img)  # type: ignore[assignment]
+            if img.hard is None or img.hard.cluster != r.cluster or img.hard.inc != voter.inc:
+                continue
+            if img.entry_term(e.index) in (e.term, -1):
+                holders += 1
+        if holders < len(config.voters) // 2 + 1:
+            self.fail(
+                "committed-is-durable",
+                f"{node.name} applied index {e.index} held durably by {holders} of {len(config.voters)} voters",
+            )
+
+    # ------------------------------------------------------------------------------
+    # Client history
+
+    def on_put_issued(self, node: SimNode, key: str, value: str) -> None:
+        self.puts_pending[(node.node_id, key)] = value
+
+    def on_read_issued(self, node: SimNode, ctx: int) -> None:
+        self.reads_issued[(node.node_id, ctx)] = self.world.now_us

@@ -1,0 +1,89 @@
+"""SimDisk: one node's durable storage, with an explicit sync point.
+
+A Ready's durable part is written at once (into the page cache) and becomes durable when
+its fsync completes. A process crash keeps what was written (the OS still has it); a power
+loss (``lose_unsynced``) drops everything not yet synced. Entries are kept as a list that
+starts right after the stored snapshot, mirroring the on-disk layout of the real agent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from p2pmesh.core.cluster import empty_state
+from p2pmesh.core.ids import ClusterId
+from p2pmesh.core.machine import NodeHardState, PersistedState, Ready
+from p2pmesh.core.messages import Config, Entry, Snapshot
+
+_EMPTY_SNAPSHOT = Snapshot(0, 0, Config((), ()), empty_state(ClusterId("")))
+
+
+@dataclass(slots=True)
+class _Image:
+    hard: NodeHardState | None = None
+    snapshot: Snapshot | None = None
+    entries: list[Entry] = field(default_factory=list)
+
+    def copy(self) -> _Image:
+        return _Image(self.hard, self.snapshot, list(self.entries))
+
+    def write(self, ready: Ready) -> None:
+        if ready.hard is not None:
+            self.hard = ready.hard
+        if ready.snapshot is not None:
+            snap = ready.snapshot
+            self.snapshot = snap
+            self.entries = [e for e in self.entries if e.index > snap.index]
+        if ready.log_truncate_from is not None:
+            cut = ready.log_truncate_from
+            self.entries = [e for e in self.entries if e.index < cut]
+            self.entries.extend(ready.log_entries)
+
+    def entry_term(self, index: int) -> int | None:
+        if self.snapshot is not None and index <= self.snapshot.index:
+            return self.snapshot.term if index == self.snapshot.index else -1
+        if not self.entries:
+            return None
+        pos = index - self.entries[0].index
+        if 0 <= pos < len(self.entries):
+            return self.entries[pos].term
+        return None
+
+
+class SimDisk:
+    def __init__(self) -> None:
+        self.synced = _Image()
+        self.written = _Image()
+        self.pending: list[Ready] = []
+        self.writes = 0
+
+    @staticmethod
+    def has_durable_part(ready: Ready) -> bool:
+        return ready.hard is not None or ready.snapshot is not None or ready.log_truncate_from is not None
+
+    def write(self, ready: Ready) -> None:
+        self.written.write(ready)
+        self.pending.append(ready)
+        self.writes += 1
+
+    def sync(self) -> None:
+        for ready in self.pending:
+            self.synced.write(ready)
+        self.pending = []
+
+    def crash(self, *, lose_unsynced: bool) -> None:
+        if lose_unsynced:
+            self.written = self.synced.copy()
+            self.pending = []
+        else:
+            self.sync()
+
+    def wipe(self) -> None:
+        self.synced = _Image()
+        self.written = _Image()
+        self.pending = []
+
+    def load(self) -> PersistedState | None:
+        img = self.synced
+        if img.hard is None:
+            return None
+        return PersistedState(img.hard, img.snapshot or _EMPTY_SNAPSHOT, tuple(img.entries))

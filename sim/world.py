@@ -1,0 +1,345 @@
+"""The world: an event queue on virtual time that drives real core Machines.
+
+The world plays the agent's driver for every node with the same contract: on each Ready it
+writes the durable part to the node's disk, waits for the fsync (virtual latency), then
+sends the messages through the wire codec and the virtual network, then reports applied
+entries and reads. Events are (time_us, seq, ...) in a heap, so ties break by insertion
+order and a run is a pure function of its seed.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, TextIO
+
+from p2pmesh.core import wire
+from p2pmesh.core.identity import Identity
+from p2pmesh.core.ids import NodeId
+from p2pmesh.core.machine import (
+    FrameReceived,
+    Input,
+    LeaveRequested,
+    Machine,
+    Mode,
+    PeerDiscovered,
+    ProposalRequested,
+    ReadRequested,
+    Ready,
+    TimerFired,
+)
+from p2pmesh.core.messages import Capabilities, Put
+from p2pmesh.core.raft import Role
+from p2pmesh.core.settings import Settings
+from sim.checks import Checker
+from sim.disk import SimDisk
+from sim.network import LinkProfile, Network
+
+TIMER, DELIVER, SYNCED, CALL = 0, 1, 2, 3
+FSYNC_US = 200
+
+
+@dataclass(slots=True)
+class SimNode:
+    index: int
+    node_id: NodeId
+    disk: SimDisk
+    caps: Capabilities
+    machine: Machine | None = None
+    alive: bool = False
+    paused: bool = False
+    left: bool = False
+    gen: int = 0
+    timer_at: int = -1
+    disk_free_at: int = 0
+    deferred: list[tuple[int, Any]] = field(default_factory=list)
+    booted_us: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"n{self.index}"
+
+
+class World:
+    def __init__(
+        self,
+        seed: int,
+        *,
+        nodes: int,
+        settings: Settings | None = None,
+        profile: LinkProfile | None = None,
+        machine_class: type[Machine] = Machine,
+        trace: TextIO | None = None,
+        checker: Checker | None = None,
+    ) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.settings = settings or Settings()
+        self.net = Network(self.rng, profile or LinkProfile())
+        self.machine_class = machine_class
+        self.now_us = 0
+        self.queue: list[tuple[int, int, int, int, Any]] = []
+        self.seq = 0
+        self.events = 0
+        self.nodes: list[SimNode] = []
+        self.by_id: dict[NodeId, SimNode] = {}
+        self.trace = trace
+        self.hasher = hashlib.sha256()
+        self.checker = checker or Checker(self)
+        self.observers: list[Callable[[SimNode, Ready], None]] = []
+        self.lose_unsynced_on_crash = False
+        for _ in range(nodes):
+            self.add_node(boot=False)
+
+    # ------------------------------------------------------------------------------
+    # Nodes
+
+    def add_node(self, *, boot: bool = True) -> SimNode:
+        index = len(self.nodes)
+        ident = Identity.from_seed(self.rng.getrandbits(256).to_bytes(32, "big"))
+        memory = self.rng.choice((16, 24, 32, 64, 96, 128, 192)) * 2**30
+        chip = self.rng.choice(("M2 Max", "M3 Ultra", "M4 Pro", "M4 Max"))
+        node = SimNode(index, ident.node_id, SimDisk(), Capabilities(memory, chip))
+        self.nodes.append(node)
+        self.by_id[node.node_id] = node
+        if boot:
+            self.boot(node)
+        return node
+
+    def boot(self, node: SimNode) -> None:
+        node.gen += 1
+        node.alive = True
+        node.paused = False
+        node.left = False
+        node.deferred = []
+        node.booted_us = self.now_us
+        node.disk_free_at = self.now_us
+        node_rng = random.Random(self.rng.getrandbits(64))
+        machine, ready = self.machine_class.boot(
+            node_id=node.node_id,
+            persisted=node.disk.load(),
+            settings=self.settings,
+            rng=node_rng,
+            now_ms=self.now_ms,
+            addresses=(f"10.0.0.{node.index + 1}",),
+            caps=node.caps,
+        )
+        node.machine = machine
+        self.checker.on_boot(node)
+        self._log(node, "boot", f"inc={machine.inc}")
+        self._process_ready(node, ready)
+        for other in self.nodes:
+            if other is not node and other.alive and not other.left:
+                self.call(node, PeerDiscovered(other.node_id, (f"10.0.0.{other.index + 1}",)))
+                self.call(other, PeerDiscovered(node.node_id, (f"10.0.0.{node.index + 1}",)))
+
+    def crash(self, node: SimNode, *, lose_unsynced: bool | None = None) -> None:
+        if not node.alive:
+            return
+        lose = self.lose_unsynced_on_crash if lose_unsynced is None else lose_unsynced
+        node.disk.crash(lose_unsynced=lose)
+        node.alive = False
+        node.paused = False
+        node.machine = None
+        node.gen += 1
+        node.deferred = []
+        self._log(node, "crash", "lose-unsynced" if lose else "")
+        self.checker.on_crash(node)
+
+    def wipe(self, node: SimNode) -> None:
+        """Lose a stopped node's whole disk (its identity key survives, as on a Mac whose
+        state directory was deleted)."""
+        assert not node.alive
+        self.checker.on_wipe(node)
+        node.disk.wipe()
+        self._log(node, "wipe", "")
+
+    def pause(self, node: SimNode) -> None:
+        if node.alive and not node.paused:
+            node.paused = True
+            self._log(node, "pause", "")
+
+    def resume(self, node: SimNode) -> None:
+        if not node.paused:
+            return
+        node.paused = False
+        self._log(node, "resume", "")
+        deferred, node.deferred = node.deferred, []
+        for kind, payload in deferred:
+            self._push(self.now_us, kind, node.index, payload)
+        self._schedule_timer(node, force=True)
+
+    # ------------------------------------------------------------------------------
+    # Event queue
+
+    @property
+    def now_ms(self) -> int:
+        return self.now_us // 1000
+
+    def _push(self, t_us: int, kind: int, node_index: int, payload: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.queue, (t_us, self.seq, kind, node_index, payload))
+
+    def call(self, node: SimNode, event: Input) -> None:
+        """Feed an input to a node now (client requests, discovery)."""
+        self._push(self.now_us, CALL, node.index, (node.gen, event))
+
+    def at(self, t_us: int, fn: Callable[[], None]) -> None:
+        """Run a world-level action (a fault, a client request) at virtual time t_us."""
+        self._push(t_us, CALL, -1, fn)
+
+    def run_until(self, t_us: int, stop: Callable[[], bool] | None = None) -> bool:
+        """Process events up to t_us (or until ``stop()`` holds). True if stopped early."""
+        queue = self.queue
+        while queue and queue[0][0] <= t_us:
+            t, _, kind, idx, payload = heapq.heappop(queue)
+            self.now_us = t
+            self.events += 1
+            if idx < 0:
+                payload()
+            else:
+                self._dispatch(self.nodes[idx], kind, payload)
+            if stop is not None and stop():
+                return True
+        self.now_us = max(self.now_us, t_us)
+        return False
+
+    def _dispatch(self, node: SimNode, kind: int, payload: Any) -> None:
+        if kind == SYNCED:
+            gen, ready = payload
+            if gen == node.gen:
+                self._synced(node, ready)
+            return
+        if not node.alive or node.machine is None:
+            return
+        if node.paused:
+            node.deferred.append((kind, payload))
+            return
+        if kind == TIMER:
+            if payload != node.gen or self.now_us != node.timer_at:
+                return
+            node.timer_at = -1
+            event: Input = TimerFired()
+        elif kind == DELIVER:
+            src, data = payload
+            event = FrameReceived(src, data)
+        else:
+            gen, event = payload
+            if gen != node.gen:
+                return
+        ready = node.machine.handle(event, self.now_ms)
+        self._process_ready(node, ready)
+
+    # ------------------------------------------------------------------------------
+    # The driver contract
+
+    def _process_ready(self, node: SimNode, ready: Ready) -> None:
+        machine = node.machine
+        assert machine is not None
+        durable = SimDisk.has_durable_part(ready)
+        if durable:
+            node.disk.write(ready)
+        self.checker.after_handle(node, ready)
+        if self.trace is not None or ready.events:
+            for ev in ready.events:
+                self._log(node, ev.kind, ev.detail)
+        if durable or ready.messages or ready.applied or ready.reads or ready.left:
+            sync_at = max(self.now_us, node.disk_free_at) + (FSYNC_US if durable else 0)
+            node.disk_free_at = sync_at
+            if sync_at == self.now_us:
+                self._synced(node, ready)
+            else:
+                self._push(sync_at, SYNCED, node.index, (node.gen, ready))
+        self._schedule_timer(node)
+
+    def _schedule_timer(self, node: SimNode, force: bool = False) -> None:
+        machine = node.machine
+        if machine is None:
+            return
+        due = max(machine.next_deadline_ms() * 1000, self.now_us)
+        if force or node.timer_at < self.now_us or due < node.timer_at:
+            node.timer_at = due
+            self._push(due, TIMER, node.index, node.gen)
+
+    def _synced(self, node: SimNode, ready: Ready) -> None:
+        node.disk.sync()
+        src = node.node_id
+        for dst, message in ready.messages:
+            data = wire.encode(message)
+            target = self.by_id.get(dst)
+            if target is None:
+                continue
+            for delay in self.net.deliveries(src, dst):
+                self._push(self.now_us + delay, DELIVER, target.index, (src, data))
+        self.checker.after_sync(node, ready)
+        for obs in self.observers:
+            obs(node, ready)
+        if ready.left:
+            node.left = True
+            node.alive = False
+            node.machine = None
+            node.gen += 1
+            self._log(node, "stopped after leaving", "")
+
+    def _log(self, node: SimNode, what: str, detail: str) -> None:
+        line = f"{self.now_us} {node.name} {what} {detail}\n"
+        self.hasher.update(line.encode())
+        if self.trace is not None:
+            self.trace.write(line)
+
+    # ------------------------------------------------------------------------------
+    # Conveniences for scenarios and tests
+
+    def live_nodes(self) -> list[SimNode]:
+        return [n for n in self.nodes if n.alive and not n.left and n.machine is not None]
+
+    def leader(self) -> SimNode | None:
+        best: SimNode | None = None
+        for n in self.live_nodes():
+            r = n.machine.raft if n.machine else None
+            if r is not None and r.role is Role.LEADER and (best is None or r.term > best.machine.raft.term):  # type: ignore[union-attr]
+                best = n
+        return best
+
+    def put(self, node: SimNode, key: str, value: str) -> None:
+        self.checker.on_put_issued(node, key, value)
+        self.call(node, ProposalRequested(Put(key, value)))
+
+    def read(self, node: SimNode, ctx: int) -> None:
+        self.checker.on_read_issued(node, ctx)
+        self.call(node, ReadRequested(ctx))
+
+    def leave(self, node: SimNode) -> None:
+        self.call(node, LeaveRequested())
+
+    def converged(self) -> bool:
+        """One cluster, one leader everybody follows, all live nodes up-to-date voters."""
+        live = [n for n in self.live_nodes() if not n.paused]
+        if not live:
+            return True
+        leader = self.leader()
+        if leader is None or leader.paused:
+            return False
+        lr = leader.machine.raft  # type: ignore[union-attr]
+        assert lr is not None
+        live_ids = {n.node_id for n in live}
+        members = {m.node_id: m for m in lr.state.members}
+        if set(members) != live_ids or not all(m.voter and m.up for m in members.values()):
+            return False
+        if lr.pending_conf_index > lr.commit:
+            return False
+        for n in live:
+            m = n.machine
+            assert m is not None
+            r = m.raft
+            if m.mode is not Mode.MEMBER or r is None or r.cluster != lr.cluster:
+                return False
+            if r.leader != lr.me or r.commit != lr.commit or r.term != lr.term:
+                return False
+            if members[n.node_id].inc != m.inc:
+                return False
+        return True
+
+    def trace_digest(self) -> str:
+        return self.hasher.hexdigest()
