@@ -145,10 +145,12 @@ class Checker:
             return
         r = m.raft
         inc = m.inc
+        synced = node.disk.synced
         for _, msg in ready.messages:
             hdr = getattr(msg, "hdr", None)
             if hdr is None or getattr(msg, "prevote", False):
                 continue  # pre-votes name a term the sender has not (and need not) adopt
+            self._check_persisted_before_send(node, synced, msg, hdr)
             seen = self.sent_hard.get((node.node_id, inc))
             if seen is None:
                 seen = self.sent_hard[(node.node_id, inc)] = _HardSeen()
@@ -168,6 +170,21 @@ class Checker:
                 for key, acked_us in self.puts_acked.get(r.cluster, {}).items():
                     if acked_us < issued and key not in visible:
                         self.fail("linearizable-read", f"{node.name} read at ctx {ctx} misses write {key} acknowledged before it")
+
+    def _check_persisted_before_send(self, node: SimNode, synced: object, msg: object, hdr: object) -> None:
+        """The persistence contract: what a message asserts is on synced disk first."""
+        from p2pmesh.core.messages import AppendResponse, Header
+
+        assert isinstance(hdr, Header)
+        hard = synced.hard  # type: ignore[attr-defined]
+        if hard is None or hard.term < hdr.term:
+            self.fail("persist-before-send", f"{node.name} sent term {hdr.term} before persisting it")
+        if isinstance(msg, VoteResponse) and msg.granted:
+            if hard.term != hdr.term or hard.vote is None or hard.vote.node_id != hdr.dst:
+                self.fail("persist-before-send", f"{node.name} granted a vote in term {hdr.term} before persisting it")
+        elif isinstance(msg, AppendResponse) and msg.success and msg.index > 0:
+            if synced.entry_term(msg.index) is None:  # type: ignore[attr-defined]
+                self.fail("persist-before-send", f"{node.name} acknowledged index {msg.index} before persisting it")
 
     def _check_applied(self, node: SimNode, r: object, e: object) -> None:
         from p2pmesh.core.messages import Entry

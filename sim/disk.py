@@ -61,14 +61,22 @@ class SimDisk:
         return ready.hard is not None or ready.snapshot is not None or ready.log_truncate_from is not None
 
     def write(self, ready: Ready) -> None:
-        self.written.write(ready)
+        """Queue a Ready in order; its durable part (if any) reaches the page cache now."""
+        if self.has_durable_part(ready):
+            self.written.write(ready)
+            self.writes += 1
         self.pending.append(ready)
-        self.writes += 1
 
-    def sync(self) -> None:
+    def sync(self, through: Ready | None = None) -> None:
+        """Make writes durable, in order, up to and including ``through`` (all if None)."""
+        done = 0
         for ready in self.pending:
-            self.synced.write(ready)
-        self.pending = []
+            if self.has_durable_part(ready):
+                self.synced.write(ready)
+            done += 1
+            if ready is through:
+                break
+        del self.pending[:done]
 
     def crash(self, *, lose_unsynced: bool) -> None:
         if lose_unsynced:

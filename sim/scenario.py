@@ -28,7 +28,7 @@ from sim.world import SimNode, World
 FORMATION_BOUND_US = 5_000_000
 FAILOVER_BOUND_US = 5_000_000
 CONVERGE_BOUND_US = 20_000_000
-CLIENT_EVERY_US = 100_000
+CLIENT_EVERY_US = 50_000
 NODES_MAX_FACTOR = 2
 SIM_SETTINGS = Settings(remove_after_ms=8_000)
 """The simulator shortens remove_after_ms (minutes in production) so removal happens."""
@@ -113,6 +113,9 @@ class Scenario:
         except InvariantViolated as exc:
             self.result.violation = exc.invariant
             self.result.detail = exc.detail
+        except Exception as exc:  # an assertion or crash inside the core is a finding too
+            self.result.violation = "core-exception"
+            self.result.detail = f"{type(exc).__name__}: {exc}"
         w = self.world
         self.result.events = w.events
         self.result.sim_us = w.now_us
@@ -198,6 +201,7 @@ class Scenario:
     def _inject(self, fault: Fault) -> None:
         w = self.world
         kind = fault.kind
+        w.note(f"fault {kind} for {fault.duration_us // 1000} ms")
         if kind in ("crash", "power-loss", "wipe", "crash-leader"):
             node = w.leader() if kind == "crash-leader" else self._pick()
             if node is None:

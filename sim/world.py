@@ -238,13 +238,12 @@ class World:
         machine = node.machine
         assert machine is not None
         durable = SimDisk.has_durable_part(ready)
-        if durable:
-            node.disk.write(ready)
         self.checker.after_handle(node, ready)
         if self.trace is not None or ready.events:
             for ev in ready.events:
                 self._log(node, ev.kind, ev.detail)
         if durable or ready.messages or ready.applied or ready.reads or ready.left:
+            node.disk.write(ready)
             sync_at = max(self.now_us, node.disk_free_at) + (FSYNC_US if durable else 0)
             node.disk_free_at = sync_at
             if sync_at == self.now_us:
@@ -263,7 +262,7 @@ class World:
             self._push(due, TIMER, node.index, node.gen)
 
     def _synced(self, node: SimNode, ready: Ready) -> None:
-        node.disk.sync()
+        node.disk.sync(through=ready)
         src = node.node_id
         for dst, message in ready.messages:
             data = wire.encode(message)
@@ -281,6 +280,13 @@ class World:
             node.machine = None
             node.gen += 1
             self._log(node, "stopped after leaving", "")
+
+    def note(self, text: str) -> None:
+        """A world-level trace line (faults, phases)."""
+        line = f"{self.now_us} -- {text}\n"
+        self.hasher.update(line.encode())
+        if self.trace is not None:
+            self.trace.write(line)
 
     def _log(self, node: SimNode, what: str, detail: str) -> None:
         line = f"{self.now_us} {node.name} {what} {detail}\n"

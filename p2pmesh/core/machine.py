@@ -633,6 +633,8 @@ class Machine:
         s = self.settings
         for member in r.state.members:
             if member.node_id == self.node_id:
+                if not member.up and member.inc == self.inc:
+                    self._propose_once(MarkUp(member.node_id, member.inc), now_ms)  # marked down by a predecessor
                 continue
             heard = self.last_heard.get(member.node_id, self.leader_since_ms)
             silent_ms = now_ms - max(heard, self.leader_since_ms)

@@ -1,0 +1,193 @@
+"""Command line of the simulator.
+
+  python -m sim run --seed S --nodes N --duration-s T [--faults F,...] [--trace FILE] [--plant NAME]
+  python -m sim sweep --seeds A-B --nodes N --duration-s T [--faults all] [--plant NAME] [--workers K]
+  python -m sim plants
+  python -m sim demo
+
+``run`` and ``sweep`` exit 1 on any violation and print the seed and the invariant; the
+last line of ``sweep`` is one JSON object with the figures (see docs/simulator.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from sim.faults import parse_fault_list
+from sim.plants import PLANTS, machine_class_for
+from sim.scenario import RunResult, run_seed
+
+
+def _seed_range(text: str) -> range:
+    try:
+        if "-" in text:
+            lo, hi = text.split("-", 1)
+            r = range(int(lo), int(hi) + 1)
+        else:
+            r = range(int(text), int(text) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds must look like 0-999 or 42, got {text!r}") from None
+    if len(r) == 0:
+        raise argparse.ArgumentTypeError(f"empty seed range {text!r}")
+    return r
+
+
+def _faults(text: str) -> tuple[str, ...]:
+    try:
+        return parse_fault_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _nodes(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= 32:
+        raise argparse.ArgumentTypeError("--nodes must be between 1 and 32")
+    return n
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sim", description="Deterministic simulator of p2pmesh's core.")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run one seed")
+    run.add_argument("--seed", type=int, required=True)
+    sweep = sub.add_parser("sweep", help="run a range of seeds")
+    sweep.add_argument("--seeds", type=_seed_range, required=True, help="A-B (inclusive)")
+    sweep.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    sweep.add_argument("--keep-going", action="store_true", help="with --plant: do not stop at the first violation")
+    for sp in (run, sweep):
+        sp.add_argument("--nodes", type=_nodes, default=5)
+        sp.add_argument("--duration-s", type=float, default=10.0)
+        sp.add_argument("--faults", type=_faults, default=())
+        sp.add_argument("--plant", choices=sorted(PLANTS), default=None)
+    run.add_argument("--trace", default=None, help="write the event trace to FILE")
+    sub.add_parser("plants", help="list the planted bugs")
+    demo = sub.add_parser("demo", help="a narrated 5-node cluster")
+    demo.add_argument("--seed", type=int, default=7)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "plants":
+        for name in sorted(PLANTS):
+            print(name)
+        return 0
+    if args.command == "demo":
+        from sim.demo import run_demo
+
+        return run_demo(args.seed)
+    if args.command == "run":
+        return _run(args)
+    return _sweep(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    machine_class = machine_class_for(args.plant)
+    trace = open(args.trace, "w", encoding="utf-8") if args.trace else None
+    try:
+        result = run_seed(
+            args.seed, nodes=args.nodes, duration_s=args.duration_s, faults=args.faults, machine_class=machine_class, trace=trace
+        )
+    finally:
+        if trace is not None:
+            trace.close()
+    summary = {
+        "seed": result.seed,
+        "violation": result.violation,
+        "detail": result.detail,
+        "events": result.events,
+        "sim_s": round(result.sim_us / 1e6, 3),
+        "faults": result.faults,
+        "formation_ms": result.formation_ms,
+        "failover_ms": result.failover_ms,
+        "converge_ms": result.converge_ms,
+        "trace_sha256": result.trace_digest,
+    }
+    if result.violation:
+        print(f"seed {result.seed}: violated {result.violation}: {result.detail}")
+    print(json.dumps(summary))
+    return 1 if result.violation else 0
+
+
+def _one(job: tuple[int, int, float, tuple[str, ...], str | None]) -> RunResult:
+    seed, nodes, duration_s, faults, plant = job
+    return run_seed(seed, nodes=nodes, duration_s=duration_s, faults=faults, machine_class=machine_class_for(plant))
+
+
+def _results(args: argparse.Namespace) -> Iterator[RunResult]:
+    jobs = [(s, args.nodes, args.duration_s, args.faults, args.plant) for s in args.seeds]
+    if args.workers <= 1:
+        yield from map(_one, jobs)
+        return
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(args.workers) as pool:
+        yield from pool.imap(_one, jobs, chunksize=max(1, min(16, len(jobs) // (args.workers * 8) or 1)))
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    stop_early = args.plant is not None and not args.keep_going
+    seeds = failures = events = 0
+    sim_us = 0
+    failover: list[float] = []
+    down: list[float] = []
+    join: list[float] = []
+    converge: list[float] = []
+    first_failure: dict[str, Any] | None = None
+    for r in _results(args):
+        seeds += 1
+        events += r.events
+        sim_us += r.sim_us
+        if r.failover_ms is not None:
+            failover.append(r.failover_ms)
+        if r.converge_ms is not None:
+            converge.append(r.converge_ms)
+        down.extend(r.down_detect_ms)
+        join.extend(r.join_to_voter_ms)
+        if r.violation:
+            failures += 1
+            print(
+                f"seed {r.seed}: violated {r.violation}: {r.detail} "
+                f"(replay: python -m sim run --seed {r.seed} --nodes {args.nodes} --duration-s {args.duration_s}"
+                f"{' --faults ' + ','.join(args.faults) if args.faults else ''}{' --plant ' + args.plant if args.plant else ''})",
+                flush=True,
+            )
+            if first_failure is None:
+                first_failure = {"seed": r.seed, "invariant": r.violation}
+            if stop_early:
+                break
+    wall = time.perf_counter() - started
+    summary = {
+        "seeds": seeds,
+        "failures": failures,
+        "first_failure": first_failure,
+        "events": events,
+        "wall_s": round(wall, 3),
+        "workers": args.workers,
+        "events_per_s": round(events / wall) if wall else None,
+        "sim_to_wall": round(sim_us / 1e6 / wall, 1) if wall else None,
+        "failover_ms": {"p50": _pct(failover, 0.5), "p99": _pct(failover, 0.99), "max": _pct(failover, 1.0)},
+        "down_detect_ms": {"p50": _pct(down, 0.5), "p99": _pct(down, 0.99), "max": _pct(down, 1.0), "count": len(down)},
+        "join_to_voter_ms": {"p50": _pct(join, 0.5), "p99": _pct(join, 0.99), "max": _pct(join, 1.0), "count": len(join)},
+        "converge_ms": {"p50": _pct(converge, 0.5), "p99": _pct(converge, 0.99), "max": _pct(converge, 1.0)},
+    }
+    print(json.dumps(summary), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
