@@ -546,6 +546,8 @@ class Machine:
         # empty log for the old one (the node-id reuse hazard of etcd-io/raft).
         self.inc = self._new_inc()
         self.last_heard = {}
+        # Raft messages of the abandoned log must not go out after the switch is persisted.
+        self.ready.messages = [(dst, m) for dst, m in self.ready.messages if not hasattr(m, "hdr")]
 
     def _persist_switch(self, base: Snapshot) -> None:
         r = self.raft
@@ -746,16 +748,16 @@ class Machine:
                 self.ready.events.append(ClusterEvent("leader elected", f"{leader} term {r.term}"))
         if self.leaving and out.applied:
             self._drive_leave(now_ms)
-        if self.mode is Mode.MEMBER and not self.leaving and out.applied and self._removed_from(r):
+        if self.mode is Mode.MEMBER and not self.leaving and self._removed_in(out.applied):
             self._become_unformed(now_ms, "removed from the cluster")
 
-    def _removed_from(self, r: Raft) -> bool:
-        # Removed means: the committed configuration no longer lists this incarnation,
-        # after it once did (a joiner that is not yet added is not "removed").
-        if self.joining is not None:
-            return False
-        cfg = r.log.config_at(r.commit)
-        return self.me not in cfg.voters and self.me not in cfg.learners
+    def _removed_in(self, applied: list[Entry]) -> bool:
+        """True when a committed entry removes this very incarnation."""
+        for e in applied:
+            cmd = e.command
+            if isinstance(cmd, RemoveMember) and cmd.node_id == self.node_id and cmd.inc == self.inc:
+                return True
+        return False
 
     def _merge_output(self, out: RaftOutput, now_ms: int) -> None:
         ready = self.ready
