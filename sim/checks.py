@@ -61,7 +61,6 @@ class Checker:
         self.markdowns: list[tuple[int, NodeId]] = []
         self.forbid_markdown = False
         self._was_leader: set[tuple[NodeId, int, int]] = set()
-        self.wiped: dict[tuple[NodeId, int], object] = {}
 
     def fail(self, invariant: str, detail: str) -> None:
         raise InvariantViolated(invariant, detail)
@@ -86,11 +85,7 @@ class Checker:
         pass
 
     def on_wipe(self, node: SimNode) -> None:
-        # A wiped disk loses entries that were durable when they committed; remember the
-        # image so the durability check judges commits by what was true at the time.
-        img = node.disk.synced
-        if img.hard is not None:
-            self.wiped[(node.node_id, img.hard.inc)] = img
+        pass  # SimDisk.retired keeps the lost image for the durability check
 
     def after_handle(self, node: SimNode, ready: Ready) -> None:
         m = node.machine
@@ -239,7 +234,8 @@ class Checker:
             return False
         img = peer.disk.synced
         if img.hard is None or img.hard.inc != voter.inc:
-            img = self.wiped.get((voter.node_id, voter.inc), img)  # type: ignore[assignment]
+            # An incarnation that was wiped or abandoned its log: judge by what it held.
+            img = peer.disk.retired.get(voter.inc, img)
         if img.hard is None or img.hard.cluster != cluster or img.hard.inc != voter.inc:
             return False
         return img.entry_term(index) in (term, -1)

@@ -55,6 +55,9 @@ class SimDisk:
         self.written = _Image()
         self.pending: list[Ready] = []
         self.writes = 0
+        self.retired: dict[int, _Image] = {}
+        """Synced images of earlier incarnations (abandoned logs and wiped disks), kept so
+        the checker can judge old commits by what was durable when they happened."""
 
     @staticmethod
     def has_durable_part(ready: Ready) -> bool:
@@ -72,6 +75,9 @@ class SimDisk:
         done = 0
         for ready in self.pending:
             if self.has_durable_part(ready):
+                old = self.synced.hard
+                if old is not None and ready.hard is not None and ready.hard.inc != old.inc:
+                    self.retired[old.inc] = self.synced.copy()
                 self.synced.write(ready)
             done += 1
             if ready is through:
@@ -86,6 +92,8 @@ class SimDisk:
             self.sync()
 
     def wipe(self) -> None:
+        if self.synced.hard is not None:
+            self.retired[self.synced.hard.inc] = self.synced
         self.synced = _Image()
         self.written = _Image()
         self.pending = []

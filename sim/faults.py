@@ -16,6 +16,7 @@ FAULT_KINDS = (
     "power-loss",  # crash losing writes not yet fsynced, restart later
     "wipe",  # crash, lose the whole disk (identity kept), restart as a fresh node
     "pause",  # stop a node's process (a Mac asleep), resume later
+    "pause-leader",  # the same, aimed at the current leader (its old-term messages arrive late)
     "partition",  # split the nodes into two groups (symmetric)
     "one-way",  # a link that delivers in one direction only (asymmetric)
     "cable",  # unplug the cable between two nodes, plug it back later

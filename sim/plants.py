@@ -111,21 +111,6 @@ class _ReadWithoutQuorum(Raft):
         self._answer_read(ctx, requester, self.commit, ok=True)
 
 
-class _CommitOldTermByCounting(Raft):
-    """Commits entries of earlier terms by counting replicas (Raft paper, Figure 8)."""
-
-    def _maybe_commit(self) -> None:
-        voters = self.config.voters
-        matches = [pr.match for peer, pr in self.progress.items() if peer in voters]
-        if self.me in voters:
-            matches.append(self.log.last_index)
-        q = self.quorum()
-        if len(matches) >= q:
-            matches.sort(reverse=True)
-            if matches[q - 1] > self.commit:
-                self._commit_to(matches[q - 1])
-
-
 class _ReuseNodeId(Machine):
     """Starts every fresh log under the same incarnation (node-id reuse after a wipe)."""
 
@@ -147,7 +132,6 @@ PLANTS: dict[str, Callable[[], type[Machine]]] = {
     "vote-without-adopting-term": lambda: _with_raft(_VoteWithoutAdoptingTerm),
     "apply-uncommitted": lambda: _with_raft(_ApplyUncommitted),
     "read-without-quorum": lambda: _with_raft(_ReadWithoutQuorum),
-    "commit-old-term-by-counting": lambda: _with_raft(_CommitOldTermByCounting),
     "reuse-node-id": lambda: _ReuseNodeId,
 }
 

@@ -211,8 +211,8 @@ class Scenario:
             if kind == "wipe":
                 w.wipe(node)
             self._later(fault, lambda: self._restart(node))
-        elif kind == "pause":
-            node = self._pick()
+        elif kind in ("pause", "pause-leader"):
+            node = w.leader() if kind == "pause-leader" else self._pick()
             if node is None:
                 return
             self._note_silent(node)
