@@ -50,6 +50,7 @@ from p2pmesh.core.messages import (
     Message,
     Peer,
     Promote,
+    RemovalNotice,
     RemoveMember,
     Snapshot,
 )
@@ -377,6 +378,8 @@ class Machine:
             self._on_join_request(msg, now_ms)
         elif isinstance(msg, JoinReply):
             self._on_join_reply(msg)
+        elif isinstance(msg, RemovalNotice):
+            self._on_removal_notice(peer, msg, now_ms)
         else:
             self._on_raft_message(msg, now_ms)
 
@@ -601,6 +604,18 @@ class Machine:
             self.joining = reply.leader
             self._send_join(reply.leader)
 
+    def _on_removal_notice(self, peer: NodeId, notice: RemovalNotice, now_ms: int) -> None:
+        r = self.raft
+        if r is None or notice.cluster != r.cluster or notice.node_id != self.node_id or notice.inc != self.inc:
+            return
+        if not any(p.node_id == peer for p in r.config.voters):
+            self.rejected_frames += 1  # only a voter of our cluster may tell us this
+            return
+        if self.leaving:
+            self._finish_leave()
+        else:
+            self._become_unformed(now_ms, "removed from the cluster")
+
     def _propose_once(self, command: Command, now_ms: int) -> bool:
         """Propose unless the same command is already in flight (not yet applied)."""
         r = self.raft
@@ -777,5 +792,7 @@ class Machine:
             ready.log_entries = tuple(r.log.entries[max(0, ready.log_truncate_from - r.log.first_index) :])
         for entry in out.applied:
             cmd = entry.command
+            if isinstance(cmd, RemoveMember) and r.role is Role.LEADER and cmd.node_id != self.node_id:
+                ready.messages.append((cmd.node_id, RemovalNotice(self.node_id, r.cluster, cmd.node_id, cmd.inc)))
             if isinstance(cmd, (AddLearner, Promote, RemoveMember, MarkDown, MarkUp)):
                 ready.events.append(ClusterEvent(_EVENT_NAMES[type(cmd)], cmd.node_id))

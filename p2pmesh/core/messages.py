@@ -310,4 +310,16 @@ class JoinReply:
     leader: NodeId | None
 
 
-Message = RaftMessage | Hello | JoinRequest | JoinReply
+@register(53)
+@dataclass(frozen=True, slots=True)
+class RemovalNotice:
+    """Sent by a leader to a member whose removal committed: once removed, the member no
+    longer receives the log, so it could not learn this any other way."""
+
+    src: NodeId
+    cluster: ClusterId
+    node_id: NodeId
+    inc: int
+
+
+Message = RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice

@@ -30,6 +30,8 @@ from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.log import RaftLog
 from p2pmesh.core.messages import (
     CONFIG_COMMANDS,
+    AddLearner,
+    Promote,
     AppendEntries,
     AppendResponse,
     ClusterState,
@@ -289,11 +291,21 @@ class Raft:
         """
         if self.role is not Role.LEADER or self.transfer_to is not None:
             return None
-        if isinstance(command, CONFIG_COMMANDS) and not self.config_change_allowed():
+        if isinstance(command, CONFIG_COMMANDS) and not (self.config_change_allowed() and self._changes_config(command)):
             return None
         index = self._append(command)
         self.broadcast_append(now_ms, heartbeat=False)
         return index
+
+    def _changes_config(self, command: Command) -> bool:
+        """Refuse no-op config commands (a repeated removal, a promotion of a voter)."""
+        peer = Peer(command.node_id, command.inc)  # type: ignore[union-attr]
+        cfg = self.config
+        if isinstance(command, AddLearner):
+            return peer not in cfg.voters and peer not in cfg.learners
+        if isinstance(command, Promote):
+            return peer in cfg.learners
+        return peer in cfg.voters or peer in cfg.learners
 
     def config_change_allowed(self) -> bool:
         return self.role is Role.LEADER and self.pending_conf_index <= self.commit and self.commit >= self.term_start_index
