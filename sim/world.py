@@ -264,8 +264,11 @@ class World:
     def _synced(self, node: SimNode, ready: Ready) -> None:
         node.disk.sync(through=ready)
         src = node.node_id
+        encoded: dict[int, bytes] = {}
         for dst, message in ready.messages:
-            data = wire.encode(message)
+            data = encoded.get(id(message))
+            if data is None:
+                data = encoded[id(message)] = wire.encode(message)
             target = self.by_id.get(dst)
             if target is None:
                 continue

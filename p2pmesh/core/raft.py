@@ -143,6 +143,7 @@ class Raft:
         self.reads: list[PendingRead] = []
         self.follower_reads: dict[int, int] = {}
         """ctx -> read index granted by the leader, waiting until applied reaches it."""
+        self._headers: dict[Peer, Header] = {}
         self.heartbeat_due_ms = 0
         self.check_quorum_due_ms = 0
         self.election_due_ms = 0
@@ -402,7 +403,12 @@ class Raft:
     # Messages
 
     def _hdr(self, to: Peer, term: int | None = None) -> Header:
-        return Header(self.cluster, self.me.node_id, self.me.inc, to.node_id, to.inc, self.term if term is None else term)
+        term = self.term if term is None else term
+        hdr = self._headers.get(to)
+        if hdr is None or hdr.term != term:
+            # Headers are immutable values; reuse one per peer and term (a hot path).
+            hdr = self._headers[to] = Header(self.cluster, self.me.node_id, self.me.inc, to.node_id, to.inc, term)
+        return hdr
 
     def _send(self, to: Peer, message: Message) -> None:
         self.out.messages.append((to.node_id, message))

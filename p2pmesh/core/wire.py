@@ -101,38 +101,50 @@ def _decode_tagged(raw: list[Any]) -> Any:
     return dec(raw)
 
 
-def _compile_encoder(cls: type) -> Callable[[Any], list[Any]]:
-    if cls not in _tag_of:
-        raise LocalProtocolError(f"{cls.__name__} is not a registered wire type")
-    tag = _tag_of[cls]
-    hints = typing.get_type_hints(cls)
-    fields = [(f.name, _value_encoder(hints[f.name])) for f in dataclasses.fields(cls)]
-
-    def enc(value: Any) -> list[Any]:
-        return [tag, *[f(getattr(value, name)) for name, f in fields]]
-
-    _encoders[cls] = enc
-    return enc
+# Encoders and decoders are generated as Python source once per class: the simulator
+# round-trips every message through this codec, so it sits on the hottest path there is.
+_SCALARS = (int, bool, str, bytes, float)
 
 
-def _value_encoder(hint: Any) -> Callable[[Any], Any]:
+def _is_scalar(hint: Any) -> bool:
     hint = _unwrap_newtype(hint)
-    if hint in (int, bool, str, bytes, float, type(None)):
-        return _identity
+    if hint in _SCALARS:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return all(_is_scalar(m) for m in typing.get_args(hint) if m is not type(None))
+    if origin is tuple:
+        return all(_is_scalar(a) for a in typing.get_args(hint) if a is not Ellipsis)
+    return False
+
+
+def _enc_expr(hint: Any, var: str, depth: int) -> str:
+    if _is_scalar(hint):
+        return var  # msgpack writes tuples of scalars as arrays by itself
+    hint = _unwrap_newtype(hint)
     origin = typing.get_origin(hint)
     if origin is tuple:
         args = typing.get_args(hint)
+        item = f"_x{depth}"
         if len(args) == 2 and args[1] is Ellipsis:
-            inner = _value_encoder(args[0])
-            return lambda v: [inner(x) for x in v]
-        inners = [_value_encoder(a) for a in args]
-        return lambda v: [f(x) for f, x in zip(inners, v)]
-    if origin in (typing.Union, types.UnionType):
-        members = [_unwrap_newtype(m) for m in typing.get_args(hint) if m is not type(None)]
-        if all(m in (int, bool, str, bytes, float) for m in members):
-            return _identity
-    # registered dataclasses and unions of them (or with None)
-    return lambda v: None if v is None else _encode_value(v)
+            return f"[{_enc_expr(args[0], item, depth + 1)} for {item} in {var}]"
+        parts = ", ".join(_enc_expr(a, f"{var}[{i}]", depth + 1) for i, a in enumerate(args))
+        return f"[{parts}]"
+    if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint):
+        return f"(None if {var} is None else _encode_value({var}))"
+    return f"_encode_value({var})"
+
+
+def _compile_encoder(cls: type) -> Callable[[Any], list[Any]]:
+    if cls not in _tag_of:
+        raise LocalProtocolError(f"{cls.__name__} is not a registered wire type")
+    hints = typing.get_type_hints(cls)
+    parts = [str(_tag_of[cls])] + [_enc_expr(hints[f.name], f"v.{f.name}", 0) for f in dataclasses.fields(cls)]
+    namespace: dict[str, Any] = {"_encode_value": _encode_value}
+    exec(f"def enc(v):\n    return [{', '.join(parts)}]\n", namespace)  # noqa: S102 - generated from type hints
+    enc = namespace["enc"]
+    _encoders[cls] = enc
+    return enc
 
 
 def _identity(v: Any) -> Any:
@@ -145,20 +157,61 @@ def _unwrap_newtype(hint: Any) -> Any:
     return hint
 
 
+def _scalar_check(hint: Any, var: str) -> str | None:
+    """A boolean expression that is True when ``var`` is NOT a valid value of ``hint``."""
+    hint = _unwrap_newtype(hint)
+    if hint is bool:
+        return f"type({var}) is not bool"
+    if hint is int:
+        return f"type({var}) is not int or not {INT_MIN} <= {var} <= {INT_MAX}"
+    if hint is str:
+        return f"type({var}) is not str or len({var}) > {STR_LEN_MAX}"
+    if hint is bytes:
+        return f"type({var}) is not bytes"
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        members = [m for m in typing.get_args(hint) if m is not type(None)]
+        if len(members) == 1 and type(None) in typing.get_args(hint):
+            inner = _scalar_check(members[0], var)
+            return None if inner is None else f"{var} is not None and ({inner})"
+    return None
+
+
 def _compile_decoder(cls: type) -> Callable[[list[Any]], Any]:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    checks = [_value_decoder(hints[n], f"{cls.__name__}.{n}") for n in names]
-    count = len(names)
     cname = cls.__name__
-
-    def dec(raw: list[Any]) -> Any:
-        if len(raw) != count + 1:
-            raise RemoteProtocolError(f"{cname}: expected {count} fields, got {len(raw) - 1}")
-        return cls(*[check(v) for check, v in zip(checks, raw[1:])])
-
+    namespace: dict[str, Any] = {"_cls": cls, "_bad": _bad, "_new": object.__new__}
+    for i, name in enumerate(names):
+        # Setting slots through their descriptors skips the frozen dataclass __init__,
+        # which costs twice as much; every field was validated just above.
+        namespace[f"_set{i}"] = cls.__dict__[name].__set__
+    lines = [
+        "def dec(raw):",
+        f"    if len(raw) != {len(names) + 1}:",
+        f"        _bad('{cname}: expected {len(names)} fields, got %d' % (len(raw) - 1))",
+    ]
+    for i, name in enumerate(names):
+        var = f"f{i}"
+        lines.append(f"    {var} = raw[{i + 1}]")
+        check = _scalar_check(hints[name], var)
+        if check is not None:
+            lines.append(f"    if {check}:")
+            lines.append(f"        _bad('{cname}.{name}: wrong type or size')")
+        else:
+            namespace[f"_chk{i}"] = _value_decoder(hints[name], f"{cname}.{name}")
+            lines.append(f"    {var} = _chk{i}({var})")
+    lines.append("    obj = _new(_cls)")
+    lines += [f"    _set{i}(obj, f{i})" for i in range(len(names))]
+    lines.append("    return obj")
+    exec("\n".join(lines) + "\n", namespace)  # noqa: S102 - generated from type hints
+    dec = namespace["dec"]
     _decoders[_tag_of[cls]] = dec
     return dec
+
+
+def _bad(why: str) -> None:
+    raise RemoteProtocolError(why)
 
 
 def _value_decoder(hint: Any, where: str) -> Callable[[Any], Any]:
