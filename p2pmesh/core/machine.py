@@ -56,7 +56,7 @@ from p2pmesh.core.messages import (
 )
 from p2pmesh.core.raft import HardState, Raft, RaftOutput, Role
 from p2pmesh.core.settings import Settings
-from p2pmesh.core import wire
+from p2pmesh.core import validate, wire
 
 INC_MAX = 2**63 - 1
 _EVENT_NAMES = {
@@ -368,8 +368,8 @@ class Machine:
     def receive(self, peer: NodeId, msg: Message, now_ms: int) -> None:
         """Handle a decoded message from an authenticated peer (checks who claims what)."""
         claimed = msg.hdr.src if hasattr(msg, "hdr") else msg.src  # type: ignore[union-attr]
-        if claimed != peer:
-            self.rejected_frames += 1  # a peer claiming another node's id
+        if claimed != peer or validate.problem(msg) is not None:
+            self.rejected_frames += 1  # a peer claiming another node's id, or nonsense
             return
         self.last_heard[peer] = now_ms
         if isinstance(msg, Hello):

@@ -1,0 +1,82 @@
+"""Semantic checks on decoded messages, before any of them reaches the state machines.
+
+The codec guarantees types and sizes; this module guarantees the numbers make sense
+(non-negative indices, entries that follow each other, terms that do not run ahead of the
+sender's), so a hostile or buggy peer can never drive Raft into an assertion. A message
+that fails is counted and dropped by the machine, with no state change.
+"""
+from __future__ import annotations
+
+from p2pmesh.core.messages import (
+    AppendEntries,
+    AppendResponse,
+    Entry,
+    Header,
+    Hello,
+    InstallSnapshot,
+    JoinRequest,
+    Message,
+    ReadIndexResponse,
+    RemovalNotice,
+    Snapshot,
+    VoteRequest,
+)
+
+
+def problem(msg: Message) -> str | None:
+    """Why ``msg`` is unacceptable, or None when it is fine."""
+    hdr = getattr(msg, "hdr", None)
+    if hdr is not None:
+        why = _header(hdr)
+        if why:
+            return why
+    if isinstance(msg, AppendEntries):
+        return _append(msg)
+    if isinstance(msg, AppendResponse):
+        return "negative index" if msg.index < 0 or msg.ctx < 0 else None
+    if isinstance(msg, VoteRequest):
+        if msg.last_index < 0 or msg.last_term < 0 or msg.last_term > msg.hdr.term:
+            return "vote request with an impossible last entry"
+        return None
+    if isinstance(msg, InstallSnapshot):
+        return _snapshot(msg.snapshot, msg.hdr.term)
+    if isinstance(msg, ReadIndexResponse):
+        return "negative read index" if msg.index < 0 else None
+    if isinstance(msg, (Hello, JoinRequest)):
+        return "incarnation must be positive" if msg.inc < 1 else None
+    if isinstance(msg, RemovalNotice):
+        return "incarnation must be positive" if msg.inc < 1 else None
+    return None
+
+
+def _header(hdr: Header) -> str | None:
+    if hdr.term < 0 or hdr.src_inc < 1 or hdr.dst_inc < 1:
+        return "header with a negative term or a non-positive incarnation"
+    return None
+
+
+def _append(m: AppendEntries) -> str | None:
+    if m.prev_index < 0 or m.prev_term < 0 or m.commit < 0 or m.ctx < 0:
+        return "append with negative numbers"
+    if m.prev_term > m.hdr.term:
+        return "append whose previous entry is from a future term"
+    return _entries(m.entries, m.prev_index, m.prev_term, m.hdr.term)
+
+
+def _entries(entries: tuple[Entry, ...], prev_index: int, prev_term: int, term: int) -> str | None:
+    expected = prev_index + 1
+    last_term = prev_term
+    for e in entries:
+        if e.index != expected:
+            return f"entries are not contiguous (expected index {expected}, got {e.index})"
+        if e.term < last_term or e.term > term:
+            return "entry terms go backwards or run ahead of the leader's term"
+        expected += 1
+        last_term = e.term
+    return None
+
+
+def _snapshot(s: Snapshot, term: int) -> str | None:
+    if s.index < 0 or s.term < 0 or s.term > term or (s.index == 0) != (s.term == 0):
+        return "snapshot with impossible index or term"
+    return None
