@@ -74,11 +74,15 @@ class _LearnerCountsInQuorum(Raft):
 
 
 class _StaleTermAppendAccepted(Raft):
-    """Accepts AppendEntries from a leader of an older term."""
+    """Accepts AppendEntries from a leader of an older term (and acknowledges it in that
+    term, so the deposed leader counts the acknowledgement)."""
 
     def step(self, m: object, now_ms: int) -> None:
         if isinstance(m, AppendEntries) and m.hdr.term < self.term:
+            current = self.term
+            self.term = m.hdr.term
             self._on_append(m, Peer(m.hdr.src, m.hdr.src_inc), now_ms)
+            self.term = current
             return
         super().step(m, now_ms)  # type: ignore[arg-type]
 
