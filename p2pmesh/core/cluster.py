@@ -40,6 +40,8 @@ def empty_state(cluster_id: ClusterId) -> ClusterState:
 def apply_config_command(config: Config, cmd: Command) -> Config:
     """The configuration after a config command (AddLearner, Promote, RemoveMember)."""
     peer = Peer(cmd.node_id, cmd.inc)  # type: ignore[union-attr]
+    if isinstance(cmd, AddLearner) and peer in config.voters:
+        return config  # already a voter: adding it as a learner must not demote or drop it
     voters = [p for p in config.voters if p != peer]
     learners = [p for p in config.learners if p != peer]
     if isinstance(cmd, AddLearner):

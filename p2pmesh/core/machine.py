@@ -30,7 +30,7 @@ import enum
 import random
 from dataclasses import dataclass, field
 
-from p2pmesh.core.cluster import empty_state, find_member
+from p2pmesh.core.cluster import empty_state
 from p2pmesh.core.errors import RemoteProtocolError
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.log import RaftLog
@@ -47,6 +47,7 @@ from p2pmesh.core.messages import (
     JoinRequest,
     MarkDown,
     MarkUp,
+    MESSAGE_TYPES,
     Message,
     Peer,
     Promote,
@@ -216,6 +217,7 @@ class Machine:
         self.inc = self._new_inc()
         self.raft: Raft | None = None
         self.started_ms = now_ms
+        self.now_ms = now_ms
         self.peers: dict[NodeId, _PeerInfo] = {}
         self.last_heard: dict[NodeId, int] = {}
         self.leader_since_ms = 0
@@ -304,7 +306,7 @@ class Machine:
             leader=r.leader.node_id if r and r.leader else None,
             commit_index=r.commit if r else 0,
             applied_index=r.applied if r else 0,
-            healthy=self._healthy(self.started_ms),
+            healthy=self._healthy(self.now_ms),
         )
 
     def next_deadline_ms(self) -> int:
@@ -325,6 +327,7 @@ class Machine:
     # The one entry point
 
     def handle(self, event: Input, now_ms: int) -> Ready:
+        self.now_ms = now_ms
         if self.mode is Mode.LEFT:
             return self._take_ready()
         if isinstance(event, FrameReceived):
@@ -367,6 +370,9 @@ class Machine:
 
     def receive(self, peer: NodeId, msg: Message, now_ms: int) -> None:
         """Handle a decoded message from an authenticated peer (checks who claims what)."""
+        if not isinstance(msg, MESSAGE_TYPES):
+            self.rejected_frames += 1  # a registered value that is not a message
+            return
         claimed = msg.hdr.src if hasattr(msg, "hdr") else msg.src  # type: ignore[union-attr]
         if claimed != peer or validate.problem(msg) is not None:
             self.rejected_frames += 1  # a peer claiming another node's id, or nonsense

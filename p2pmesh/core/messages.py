@@ -11,6 +11,7 @@ Mac that wiped its state (or left and came back) is never mistaken for its old s
 """
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 from p2pmesh.core.ids import ClusterId, NodeId
@@ -323,3 +324,5 @@ class RemovalNotice:
 
 
 Message = RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice
+MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
+"""Every type that may arrive as a frame on its own (for isinstance checks)."""

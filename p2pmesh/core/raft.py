@@ -533,6 +533,18 @@ class Raft:
         if snap.index <= self.commit:
             self._send(src, AppendResponse(self._hdr(src), True, self.commit, 0))
             return
+        if self.log.term_at(snap.index) == snap.term:
+            # We already hold the snapshot's last entry: keep what follows it (Raft fig. 13
+            # step 6). We may have acknowledged those entries; dropping them would let the
+            # leader count entries we no longer hold.
+            self.log.compact(snap)
+            self.out.snapshot = snap
+            self.commit = snap.index
+            if self.applied < snap.index:
+                self.applied = snap.index
+                self.state = snap.state
+            self._send(src, AppendResponse(self._hdr(src), True, self.log.last_index, 0))
+            return
         self.log.reset(snap)
         self.commit = self.applied = snap.index
         self.state = snap.state

@@ -286,7 +286,7 @@ def _tagged_checker(where: str, allowed: tuple[type, ...], optional: bool) -> Ca
     def check(v: Any) -> Any:
         if v is None and optional:
             return None
-        if type(v) is not list or not v or v[0] not in allowed_tags or type(v[0]) is not int:
+        if type(v) is not list or not v or type(v[0]) is not int or v[0] not in allowed_tags:
             raise RemoteProtocolError(f"{where}: expected one of {sorted(c.__name__ for c in allowed)}")
         return _decode_tagged(v)
 

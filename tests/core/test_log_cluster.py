@@ -309,12 +309,6 @@ def test_add_learner_of_an_existing_learner_is_idempotent() -> None:
     assert apply_config_command(cfg, add(PB)) == cfg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG cluster.apply_config_command: AddLearner of a peer that is already a voter "
-    "filters it out of the voters and then (because it *was* a voter) does not add it as "
-    "a learner either, so the voter silently vanishes from the configuration",
-)
 def test_add_learner_of_an_existing_voter_does_not_drop_it() -> None:
     cfg = Config((PA, PB), ())
     after = apply_config_command(cfg, add(PA))

@@ -836,6 +836,21 @@ def test_config_change_refused_before_own_term_commits_and_while_pending() -> No
     assert a.commit >= promote_index  # A, B, C are 3 of 4
 
 
+def test_no_op_config_changes_are_refused() -> None:
+    net = make_net(3, learners=1)
+    a = elect(net, 1)
+    assert a.config_change_allowed()
+    last = a.log.last_index
+    assert a.propose(AddLearner(nid(2), peer(2).inc, (), CAPS), net.now) is None  # already a voter
+    assert a.propose(AddLearner(nid(4), peer(4).inc, (), CAPS), net.now) is None  # already a learner
+    assert a.propose(Promote(nid(3), peer(3).inc), net.now) is None  # already a voter
+    assert a.propose(Promote(nid(9), 1), net.now) is None  # unknown
+    assert a.propose(RemoveMember(nid(9), 1, "x"), net.now) is None  # unknown
+    assert a.propose(RemoveMember(nid(2), 999, "x"), net.now) is None  # another incarnation
+    assert a.log.last_index == last
+    assert a.propose(Promote(nid(4), peer(4).inc), net.now) is not None
+
+
 def test_new_leader_waits_for_its_noop_before_config_changes() -> None:
     net = make_net(3)
     elect(net, 1)
@@ -1225,13 +1240,6 @@ def test_install_snapshot_replaces_a_conflicting_log() -> None:
     assert resp.success and resp.index == 40  # type: ignore[union-attr]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG Raft._on_snapshot: an InstallSnapshot whose (index, term) matches an entry "
-    "the follower already holds discards the follower's later entries (Raft fig. 13 step 6 "
-    "says retain them); the follower may already have acknowledged those entries, so the "
-    "leader's match index then overstates what the follower holds",
-)
 def test_install_snapshot_matching_the_log_keeps_later_entries() -> None:
     vs = [peer(1), peer(2), peer(3)]
     net = Net()
@@ -1263,12 +1271,6 @@ def _deliver(net: Net, item: tuple[NodeId, NodeId, Message]) -> None:
     assert net.deliver_one() is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG Raft._on_snapshot (consequence): a delayed InstallSnapshot makes a follower "
-    "drop an entry it had acknowledged; the leader committed that entry counting the "
-    "follower, so after the leader crashes the committed entry is lost",
-)
 def test_delayed_install_snapshot_cannot_lose_a_committed_entry() -> None:
     settings = Settings(snapshot_every_entries=4, entries_per_append_max=1, inflight_appends_max=64)
     net = make_net(3, settings=settings)
