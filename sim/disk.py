@@ -32,11 +32,16 @@ class _Image:
         if ready.snapshot is not None:
             snap = ready.snapshot
             self.snapshot = snap
-            self.entries = [e for e in self.entries if e.index > snap.index]
+            self._drop_through(snap.index)
         if ready.log_truncate_from is not None:
-            cut = ready.log_truncate_from
-            self.entries = [e for e in self.entries if e.index < cut]
+            # Stored entries are contiguous, so a cut is one slice deletion.
+            if self.entries:
+                del self.entries[max(0, ready.log_truncate_from - self.entries[0].index) :]
             self.entries.extend(ready.log_entries)
+
+    def _drop_through(self, index: int) -> None:
+        if self.entries:
+            del self.entries[: max(0, index - self.entries[0].index + 1)]
 
     def entry_term(self, index: int) -> int | None:
         if self.snapshot is not None and index <= self.snapshot.index:
