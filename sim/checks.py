@@ -61,6 +61,7 @@ class Checker:
         self.markdowns: list[tuple[int, NodeId]] = []
         self.forbid_markdown = False
         self._was_leader: set[tuple[NodeId, int, int]] = set()
+        self._producer: dict[int, object] = {}
 
     def fail(self, invariant: str, detail: str) -> None:
         raise InvariantViolated(invariant, detail)
@@ -92,7 +93,11 @@ class Checker:
         assert m is not None
         r = m.raft
         if r is None:
+            self._producer.pop(id(ready), None)  # ids are reused: never judge by a stale entry
             return
+        # Remember which log produced this Ready: it is judged when its fsync completes,
+        # by which time the node may have switched to another cluster's log.
+        self._producer[id(ready)] = r
         cluster = r.cluster
         for e in ready.log_entries:
             key = (cluster, e.index, e.term)
@@ -136,19 +141,18 @@ class Checker:
 
     def after_sync(self, node: SimNode, ready: Ready) -> None:
         m = node.machine
+        r = self._producer.pop(id(ready), None)
         if m is None:
             return
-        r = m.raft
-        inc = m.inc
         synced = node.disk.synced
         for _, msg in ready.messages:
             hdr = getattr(msg, "hdr", None)
             if hdr is None or getattr(msg, "prevote", False):
                 continue  # pre-votes name a term the sender has not (and need not) adopt
             self._check_persisted_before_send(node, synced, msg, hdr)
-            seen = self.sent_hard.get((node.node_id, inc))
+            seen = self.sent_hard.get((node.node_id, hdr.src_inc))
             if seen is None:
-                seen = self.sent_hard[(node.node_id, inc)] = _HardSeen()
+                seen = self.sent_hard[(node.node_id, hdr.src_inc)] = _HardSeen()
             if hdr.term > seen.term:
                 seen.term = hdr.term
             if isinstance(msg, VoteResponse) and msg.granted and not msg.prevote:
