@@ -1,0 +1,238 @@
+"""The agent: one trio task owns the core Machine; drivers feed it inputs and carry out
+its effects.
+
+The loop, for every input (a frame, a discovered peer, a timer, a control request):
+  ready = machine.handle(input, now_ms)
+  storage.save(ready)          # durable part, fsynced, BEFORE anything leaves
+  transport.send(messages)     # then the messages
+  act on applied entries, reads, events, left
+Timers: the loop waits on the inbox until machine.next_deadline_ms(), then feeds TimerFired.
+Every other task (listeners, dialers, the control socket) only puts inputs into the one
+bounded inbox, so the core needs no locks.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from p2pmesh.core import wire
+from p2pmesh.core.identity import Identity
+from p2pmesh.core.machine import (
+    Input,
+    LeaveRequested,
+    Machine,
+    PeerDiscovered,
+    Ready,
+    TimerFired,
+)
+from p2pmesh.core.messages import Capabilities
+from p2pmesh.core.settings import Settings
+from p2pmesh.drivers import control, keys
+from p2pmesh.drivers.storage import Storage
+from p2pmesh.drivers.tls import Credentials
+from p2pmesh.drivers.transport import Transport
+
+log = logging.getLogger("p2pmesh.agent")
+
+INBOX_LEN_MAX = 4096
+DEFAULT_PORT = 7741
+
+
+def default_state_dir() -> Path:
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "p2pmesh"
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "p2pmesh"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    state_dir: Path = field(default_factory=default_state_dir)
+    listen: str = f"0.0.0.0:{DEFAULT_PORT}"
+    peers: tuple[str, ...] = ()
+    interfaces: tuple[str, ...] = ()
+    cluster_key_file: Path | None = None
+    advertise: tuple[str, ...] = ()
+    """Addresses other agents should dial (defaults to the listen address)."""
+    settings: Settings = Settings()
+    leave_on_exit: bool = False
+
+    @property
+    def socket_path(self) -> Path:
+        return self.state_dir / "agent.sock"
+
+
+def _capabilities() -> Capabilities:
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 0
+    import platform
+
+    return Capabilities(int(memory), platform.processor() or platform.machine())
+
+
+class Agent:
+    """A running agent: the machine, its storage and its transport."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.storage = Storage.open(config.state_dir)
+        seed = self.storage.load_identity_seed()
+        if seed is None:
+            seed = os.urandom(32)
+            self.storage.save_identity_seed(seed)
+        self.identity = Identity.from_seed(seed)
+        self.cluster_key = keys.load_or_create(config.state_dir, config.cluster_key_file)
+        self.credentials = Credentials.issue(self.identity, self.cluster_key)
+        self.rng = random.Random(os.urandom(16))
+        self.inbox_send, self.inbox = trio.open_memory_channel[Input](INBOX_LEN_MAX)
+        self.machine: Machine | None = None
+        self.transport: Transport | None = None
+        self.left = trio.Event()
+        self.started_ms = 0
+
+    @staticmethod
+    def now_ms() -> int:
+        return int(trio.current_time() * 1000)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        host, port = _split(cfg.listen)
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound_port = listeners[0].socket.getsockname()[1]
+        advertise = cfg.advertise or (f"{host}:{bound_port}",)
+        server_ctx, client_ctx = self.credentials.contexts()
+        self.transport = Transport(
+            me=self.identity.node_id, server_ctx=server_ctx, client_ctx=client_ctx, inbox=self.inbox_send, rng=self.rng
+        )
+        persisted = await trio.to_thread.run_sync(self.storage.load)
+        self.machine, ready = Machine.boot(
+            node_id=self.identity.node_id,
+            persisted=persisted,
+            settings=cfg.settings,
+            rng=self.rng,
+            now_ms=self.now_ms(),
+            addresses=advertise,
+            caps=_capabilities(),
+        )
+        log.info("agent %s listening on %s (state %s)", self.identity.node_id, advertise[0], cfg.state_dir)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.transport.run, listeners)
+            for peer in cfg.peers:
+                nursery.start_soon(self.transport.dial_static, peer)
+            await nursery.start(control.serve, cfg.socket_path, self)
+            await self._act(ready)
+            task_status.started()
+            await self._loop()
+            nursery.cancel_scope.cancel()
+
+    async def _loop(self) -> None:
+        machine = self.machine
+        assert machine is not None
+        while not self.left.is_set():
+            delay = max(0.0, (machine.next_deadline_ms() - self.now_ms()) / 1000)
+            event: Input = TimerFired()
+            with trio.move_on_after(delay):
+                event = await self.inbox.receive()
+            if isinstance(event, PeerDiscovered) and self.transport is not None:
+                self.transport.learn(event.node_id, event.addresses)
+            ready = machine.handle(event, self.now_ms())
+            await self._act(ready)
+
+    async def _act(self, ready: Ready) -> None:
+        # 1. durable part first (fsync in a worker thread; the loop waits for it).
+        await trio.to_thread.run_sync(self.storage.save, ready)
+        # 2. then messages.
+        transport = self.transport
+        assert transport is not None
+        for dst, message in ready.messages:
+            transport.send(dst, wire.encode(message))
+        # 3. then everything that may be observed.
+        for ev in ready.events:
+            log.info("%s %s", ev.kind, ev.detail)
+        if ready.applied and self.machine is not None and self.machine.raft is not None:
+            for m in self.machine.raft.state.members:
+                transport.learn(m.node_id, m.addresses)
+        if ready.left:
+            self.left.set()
+
+    def request_leave(self) -> None:
+        self.inbox_send.send_nowait(LeaveRequested())
+
+    def status(self) -> dict[str, Any]:
+        m = self.machine
+        assert m is not None
+        st = m.status()
+        r = m.raft
+        members = []
+        if r is not None:
+            for mem in r.state.members:
+                members.append({"node_id": mem.node_id, "voter": mem.voter, "up": mem.up, "addresses": list(mem.addresses)})
+        return {
+            "node_id": st.node_id,
+            "pid": os.getpid(),
+            "cluster_id": st.cluster,
+            "role": st.role,
+            "term": st.term,
+            "leader": st.leader,
+            "commit_index": st.commit_index,
+            "applied_index": st.applied_index,
+            "healthy": st.healthy,
+            "members": members,
+            "state_dir": str(self.config.state_dir),
+        }
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"--listen must look like HOST:PORT, got {address!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+async def run_agent(config: AgentConfig) -> int:
+    """Run until SIGINT/SIGTERM (or a completed leave). Returns the exit code."""
+    agent = Agent(config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(agent.run)
+
+        async def watch_signals() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    if config.leave_on_exit and not agent.left.is_set():
+                        log.info("leaving the cluster before exit")
+                        agent.request_leave()
+                        with trio.move_on_after(config.settings.leave_timeout_ms / 1000 + 1):
+                            await agent.left.wait()
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(watch_signals)
+        await agent.left.wait()
+        nursery.cancel_scope.cancel()
+    agent.storage.close()
+    return 0
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        class _Json(logging.Formatter):
+            def format(self, record: logging.LogRecord) -> str:
+                return json.dumps({"t": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()})
+        handler.setFormatter(_Json())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("p2pmesh")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

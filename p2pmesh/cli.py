@@ -1,0 +1,153 @@
+"""The `p2pmesh` command line.
+
+  p2pmesh agent [--state-dir DIR] [--listen HOST:PORT] [--interface NAME]... [--peer HOST:PORT]...
+                [--cluster-key-file FILE] [--advertise HOST:PORT]... [--leave-on-exit]
+                [--log-level LEVEL] [--log-format text|json]
+  p2pmesh status [--state-dir DIR | --socket PATH] [--json]
+  p2pmesh leave  [--state-dir DIR | --socket PATH]
+  p2pmesh key show [--state-dir DIR]
+  p2pmesh key set KEY [--state-dir DIR]
+
+Exit codes: 0 success, 1 the agent is not reachable or refused, 2 bad usage or input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    from p2pmesh.agent import default_state_dir
+
+    p = argparse.ArgumentParser(prog="p2pmesh", description="One AI computer from several Macs.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def state_dir(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--state-dir", type=Path, default=default_state_dir(), help="default: %(default)s")
+
+    agent = sub.add_parser("agent", help="run the agent (the same on every Mac, no options needed)")
+    state_dir(agent)
+    agent.add_argument("--listen", default="0.0.0.0:7741", help="HOST:PORT to accept peers on")
+    agent.add_argument("--interface", action="append", default=[], help="network interface to use (repeatable)")
+    agent.add_argument("--peer", action="append", default=[], help="static peer HOST:PORT where multicast is blocked")
+    agent.add_argument("--advertise", action="append", default=[], help="HOST:PORT peers should dial (default: --listen)")
+    agent.add_argument("--cluster-key-file", type=Path, default=None)
+    agent.add_argument("--leave-on-exit", action="store_true", help="leave the cluster gracefully on SIGINT/SIGTERM")
+    agent.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    agent.add_argument("--log-format", default="text", choices=["text", "json"])
+
+    for name, helptext in (("status", "show this agent's view of the cluster"), ("leave", "leave the cluster gracefully")):
+        sp = sub.add_parser(name, help=helptext)
+        state_dir(sp)
+        sp.add_argument("--socket", type=Path, default=None, help="the agent's control socket (default: in --state-dir)")
+        if name == "status":
+            sp.add_argument("--json", action="store_true")
+
+    key = sub.add_parser("key", help="show or install the cluster key")
+    key_sub = key.add_subparsers(dest="key_command", required=True)
+    show = key_sub.add_parser("show", help="print the cluster key (install it on another Mac with `key set`)")
+    state_dir(show)
+    setk = key_sub.add_parser("set", help="install a cluster key before starting the agent")
+    setk.add_argument("key")
+    state_dir(setk)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "agent":
+        return _agent(args)
+    if args.command in ("status", "leave"):
+        return _ask(args)
+    return _key(args)
+
+
+def _agent(args: argparse.Namespace) -> int:
+    import trio
+
+    from p2pmesh.agent import AgentConfig, configure_logging, run_agent
+    from p2pmesh.core.errors import StateCorrupted
+    from p2pmesh.drivers.keys import KeyError_
+
+    configure_logging(args.log_level, args.log_format)
+    config = AgentConfig(
+        state_dir=args.state_dir,
+        listen=args.listen,
+        peers=tuple(args.peer),
+        interfaces=tuple(args.interface),
+        cluster_key_file=args.cluster_key_file,
+        advertise=tuple(args.advertise),
+        leave_on_exit=args.leave_on_exit,
+    )
+    try:
+        return trio.run(run_agent, config)
+    except StateCorrupted as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (KeyError_, ValueError) as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"p2pmesh: cannot start the agent: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from p2pmesh.drivers.control import ControlError, request
+
+    path = args.socket or args.state_dir / "agent.sock"
+    try:
+        answer = request(path, args.command)
+    except ControlError as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if args.command == "leave":
+        print("left the cluster" if answer.get("left") else "leaving (not yet confirmed)")
+        return EXIT_OK
+    status = answer["status"]
+    if args.json:
+        print(json.dumps(status))
+    else:
+        _print_status(status)
+    return EXIT_OK
+
+
+def _print_status(s: dict[str, Any]) -> None:
+    leader = s["leader"][:8] if s["leader"] else "none"
+    print(f"node {s['node_id'][:8]}  role {s['role']}  cluster {s['cluster_id'] or '-'}  term {s['term']}  leader {leader}")
+    for m in s["members"]:
+        flags = ("voter" if m["voter"] else "learner") + ("" if m["up"] else ", DOWN")
+        print(f"  {m['node_id'][:8]}  {flags:15} {' '.join(m['addresses'])}")
+
+
+def _key(args: argparse.Namespace) -> int:
+    from p2pmesh.drivers import keys
+
+    path = args.state_dir / keys.KEY_FILE
+    if args.key_command == "show":
+        if not path.exists():
+            print(f"p2pmesh: no cluster key in {args.state_dir} yet; start the agent once, or install one with `p2pmesh key set`", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        try:
+            print(keys.format_key(keys.read_key(path)))
+        except keys.KeyError_ as exc:
+            print(f"p2pmesh: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        return EXIT_OK
+    try:
+        key = keys.parse_key(args.key)
+    except keys.KeyError_ as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    keys.write_key(path, key)
+    print(f"cluster key installed in {path}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The local control socket: a Unix socket in the state directory that the CLI (and,
+later, the client API) uses to ask the agent questions. One JSON request line in, one JSON
+response line out; requests are bounded in size and time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket as stdsocket
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+REQUEST_BYTES_MAX = 64 * 1024
+REQUEST_TIMEOUT_S = 10.0
+CLIENTS_CONCURRENT_MAX = 32
+
+
+class _Agent(Protocol):
+    def status(self) -> dict[str, Any]: ...
+
+    def request_leave(self) -> None: ...
+
+    left: trio.Event
+
+
+class ControlError(Exception):
+    """The agent could not be reached or answered with an error."""
+
+
+async def serve(path: Path, agent: _Agent, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await sock.bind(str(path))
+    os.chmod(path, 0o600)
+    sock.listen(16)
+    listener = trio.SocketListener(sock)
+    limiter = trio.CapacityLimiter(CLIENTS_CONCURRENT_MAX)
+    task_status.started()
+    try:
+        async with trio.open_nursery() as nursery:
+            async with listener:
+                while True:
+                    stream = await listener.accept()
+                    nursery.start_soon(_handle, stream, agent, limiter)
+    finally:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
+async def _handle(stream: trio.SocketStream, agent: _Agent, limiter: trio.CapacityLimiter) -> None:
+    async with limiter, stream:
+        try:
+            with trio.fail_after(REQUEST_TIMEOUT_S):
+                buf = b""
+                while b"\n" not in buf:
+                    chunk = await stream.receive_some(4096)
+                    if not chunk or len(buf) + len(chunk) > REQUEST_BYTES_MAX:
+                        return
+                    buf += chunk
+                response = await _dispatch(buf.split(b"\n", 1)[0], agent)
+                await stream.send_all(json.dumps(response).encode() + b"\n")
+        except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+
+
+async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:
+    try:
+        request = json.loads(line)
+        op = request["op"]
+    except (ValueError, KeyError, TypeError):
+        return {"ok": False, "error": "bad request: send one JSON object with an 'op' key"}
+    if op == "status":
+        return {"ok": True, "status": agent.status()}
+    if op == "leave":
+        agent.request_leave()
+        with trio.move_on_after(float(request.get("timeout_s", 10))):
+            await agent.left.wait()
+        return {"ok": True, "left": agent.left.is_set()}
+    return {"ok": False, "error": f"unknown op {op!r}"}
+
+
+def request(path: Path, op: str, *, timeout_s: float = 15.0, **fields: Any) -> dict[str, Any]:
+    """Synchronous client for the CLI."""
+    s = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+    s.settimeout(timeout_s)
+    try:
+        s.connect(str(path))
+    except OSError as exc:
+        raise ControlError(
+            f"no agent is running at {path} ({exc.strerror}); start one with `p2pmesh agent`"
+        ) from None
+    try:
+        s.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > 16 * 1024 * 1024:
+                raise ControlError("the agent's answer is too large")
+    except OSError as exc:
+        raise ControlError(f"the agent at {path} did not answer: {exc}") from None
+    finally:
+        s.close()
+    try:
+        answer = json.loads(buf)
+    except ValueError:
+        raise ControlError(f"the agent at {path} sent an unreadable answer") from None
+    if not answer.get("ok"):
+        raise ControlError(answer.get("error", "the agent refused the request"))
+    return answer

@@ -1,0 +1,274 @@
+"""The transport driver: authenticated TLS 1.3 connections between agents, carrying
+length-prefixed frames (4-byte big-endian length, then a wire.py body).
+
+- One connection per peer pair. Both sides may dial; when two connections to the same peer
+  exist, both ends keep the one dialed by the lower node id and close the other.
+- Each peer has a bounded send queue; a full queue drops the frame (Raft retransmits) and
+  counts it. Frames above wire.FRAME_BYTES_MAX close the connection.
+- Dialing retries with exponential backoff and jitter, bounded in count per address.
+- Handshakes have a timeout and a concurrency limit, so a flood of connections cannot
+  exhaust memory or starve the cluster. Admission failures are logged once per remote
+  address per minute.
+Received frames become FrameReceived inputs in the agent's inbox, tagged with the node id
+the TLS handshake proved.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import ssl
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from p2pmesh.core.errors import RemoteProtocolError
+from p2pmesh.core.ids import NodeId
+from p2pmesh.core.machine import FrameReceived, Input, PeerDiscovered
+from p2pmesh.core.wire import FRAME_BYTES_MAX
+from p2pmesh.drivers.tls import peer_node_id
+
+log = logging.getLogger("p2pmesh.transport")
+
+HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKES_CONCURRENT_MAX = 16
+SEND_QUEUE_LEN_MAX = 512
+DIAL_BACKOFF_MIN_S = 0.05
+DIAL_BACKOFF_MAX_S = 2.0
+DIAL_ATTEMPTS_MAX = 100_000
+CONNECTIONS_MAX = 256
+_LEN = struct.Struct(">I")
+
+
+@dataclass(eq=False)
+class _Conn:
+    peer: NodeId
+    stream: trio.SSLStream[trio.SocketStream]
+    dialer: NodeId
+    queue_send: trio.MemorySendChannel[bytes]
+    queue_recv: trio.MemoryReceiveChannel[bytes]
+    closed: trio.Event = field(default_factory=trio.Event)
+
+
+def _split_hostport(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise ValueError(f"address must look like HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+class Transport:
+    def __init__(
+        self,
+        *,
+        me: NodeId,
+        server_ctx: ssl.SSLContext,
+        client_ctx: ssl.SSLContext,
+        inbox: trio.MemorySendChannel[Input],
+        rng: random.Random,
+    ) -> None:
+        self.me = me
+        self.server_ctx = server_ctx
+        self.client_ctx = client_ctx
+        self.inbox = inbox
+        self.rng = rng
+        self.conns: dict[NodeId, _Conn] = {}
+        self.addresses: dict[NodeId, tuple[str, ...]] = {}
+        self.dialing: set[NodeId] = set()
+        self.handshakes = trio.CapacityLimiter(HANDSHAKES_CONCURRENT_MAX)
+        self.dropped_frames = 0
+        self.refused = 0
+        self._last_refusal_log: dict[str, float] = {}
+        self._nursery: trio.Nursery | None = None
+
+    # ------------------------------------------------------------------------------
+    # Lifecycle
+
+    async def run(self, listeners: list[trio.SocketListener], *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for listener in listeners:
+                nursery.start_soon(self._accept_loop, listener)
+            task_status.started()
+
+    async def _accept_loop(self, listener: trio.SocketListener) -> None:
+        async with listener:
+            while True:
+                stream = await listener.accept()
+                if len(self.conns) >= CONNECTIONS_MAX:
+                    await trio.aclose_forcefully(stream)
+                    continue
+                assert self._nursery is not None
+                self._nursery.start_soon(self._handshake, stream, None, False, None)
+
+    # ------------------------------------------------------------------------------
+    # Outbound
+
+    def learn(self, node_id: NodeId, addresses: tuple[str, ...]) -> None:
+        """Remember where a peer can be dialed (discovery, static peers, cluster state)."""
+        if node_id != self.me and addresses:
+            self.addresses[node_id] = addresses
+
+    def send(self, node_id: NodeId, data: bytes) -> None:
+        """Queue a frame for a peer without blocking; dial it if needed."""
+        conn = self.conns.get(node_id)
+        if conn is None:
+            self._ensure_dialing(node_id)
+            self.dropped_frames += 1  # no connection yet: Raft and Hello retransmit
+            return
+        try:
+            conn.queue_send.send_nowait(data)
+        except trio.WouldBlock:
+            self.dropped_frames += 1
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.dropped_frames += 1
+
+    def _ensure_dialing(self, node_id: NodeId) -> None:
+        if node_id in self.dialing or node_id not in self.addresses or self._nursery is None:
+            return
+        self.dialing.add(node_id)
+        self._nursery.start_soon(self._dial_known, node_id)
+
+    async def _dial_known(self, node_id: NodeId) -> None:
+        try:
+            delay = DIAL_BACKOFF_MIN_S
+            for _ in range(20):
+                if node_id in self.conns:
+                    return
+                for address in self.addresses.get(node_id, ()):
+                    if await self._dial(address, expect=node_id):
+                        return
+                await trio.sleep(delay * (0.5 + self.rng.random()))
+                delay = min(DIAL_BACKOFF_MAX_S, delay * 2)
+        finally:
+            self.dialing.discard(node_id)
+
+    async def dial_static(self, address: str) -> None:
+        """Keep a static peer (HOST:PORT, node id unknown) connected, for ever."""
+        delay = DIAL_BACKOFF_MIN_S
+        for _ in range(DIAL_ATTEMPTS_MAX):
+            conn_peer = await self._dial(address, expect=None)
+            if conn_peer is not None:
+                conn = self.conns.get(conn_peer)
+                if conn is not None:
+                    await conn.closed.wait()
+                delay = DIAL_BACKOFF_MIN_S
+            await trio.sleep(delay * (0.5 + self.rng.random()))
+            delay = min(DIAL_BACKOFF_MAX_S, delay * 2)
+
+    async def _dial(self, address: str, *, expect: NodeId | None) -> NodeId | None:
+        try:
+            host, port = _split_hostport(address)
+            with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+                stream = await trio.open_tcp_stream(host, port)
+        except (OSError, trio.TooSlowError, ValueError):
+            return None
+        return await self._handshake(stream, expect, True, address)
+
+    # ------------------------------------------------------------------------------
+    # Handshake and connection
+
+    async def _handshake(
+        self, stream: trio.SocketStream, expect: NodeId | None, dialed: bool, address: str | None
+    ) -> NodeId | None:
+        ctx = self.client_ctx if dialed else self.server_ctx
+        tls = trio.SSLStream(stream, ctx, server_side=not dialed, server_hostname=None if not dialed else "p2pmesh")
+        remote = _remote_name(stream)
+        try:
+            async with self.handshakes:
+                with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+                    await tls.do_handshake()
+            peer = peer_node_id(tls.getpeercert(binary_form=True))
+        except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError, RemoteProtocolError, ValueError) as exc:
+            self.refused += 1
+            self._log_refusal(remote, exc)
+            await trio.aclose_forcefully(tls)
+            return None
+        if peer == self.me or (expect is not None and peer != expect):
+            self._log_refusal(remote, RemoteProtocolError(f"expected {expect}, got {peer}"))
+            await trio.aclose_forcefully(tls)
+            return None
+        queue_send, queue_recv = trio.open_memory_channel[bytes](SEND_QUEUE_LEN_MAX)
+        conn = _Conn(peer, tls, self.me if dialed else peer, queue_send, queue_recv)
+        if not self._register(conn):
+            await trio.aclose_forcefully(tls)
+            return peer
+        if address is not None and peer not in self.addresses:
+            self.learn(peer, (address,))
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run_conn, conn)
+        if expect is None or not dialed:
+            await self.inbox.send(PeerDiscovered(peer, self.addresses.get(peer, ())))
+        return peer
+
+    def _register(self, conn: _Conn) -> bool:
+        """Keep one connection per pair: the one dialed by the lower node id wins."""
+        existing = self.conns.get(conn.peer)
+        if existing is not None and not existing.closed.is_set():
+            preferred = min(self.me, conn.peer)
+            if existing.dialer == preferred or conn.dialer != preferred:
+                return False
+            existing.queue_send.close()
+        self.conns[conn.peer] = conn
+        return True
+
+    async def _run_conn(self, conn: _Conn) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._guarded, self._writer, conn, nursery.cancel_scope)
+                await self._guarded(self._reader, conn, nursery.cancel_scope)
+        finally:
+            conn.closed.set()
+            if self.conns.get(conn.peer) is conn:
+                del self.conns[conn.peer]
+            await trio.aclose_forcefully(conn.stream)
+
+    async def _guarded(self, fn: Any, conn: _Conn, scope: trio.CancelScope) -> None:
+        """Run the reader or writer; any way it ends (peer gone, garbage, tie-break lost)
+        ends the whole connection, and never the transport."""
+        try:
+            await fn(conn)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as exc:
+            log.debug("connection to %s closed: %r", conn.peer, exc)
+        except RemoteProtocolError as exc:
+            log.warning("closing connection to %s: %s", conn.peer, exc)
+        finally:
+            scope.cancel()
+
+    async def _writer(self, conn: _Conn) -> None:
+        async for data in conn.queue_recv:
+            await conn.stream.send_all(_LEN.pack(len(data)) + data)
+
+    async def _reader(self, conn: _Conn) -> None:
+        buf = bytearray()
+        while True:
+            chunk = await conn.stream.receive_some(65536)
+            if not chunk:
+                return
+            buf += chunk
+            while len(buf) >= 4:
+                (length,) = _LEN.unpack_from(buf)
+                if length > FRAME_BYTES_MAX:
+                    raise RemoteProtocolError(f"frame of {length} bytes from {conn.peer}")
+                if len(buf) < 4 + length:
+                    break
+                data = bytes(buf[4 : 4 + length])
+                del buf[: 4 + length]
+                await self.inbox.send(FrameReceived(conn.peer, data))
+
+    def _log_refusal(self, remote: str, exc: BaseException) -> None:
+        now = trio.current_time()
+        if now - self._last_refusal_log.get(remote, -1e9) >= 60.0:
+            self._last_refusal_log[remote] = now
+            log.warning("refused connection from %s: %s (cluster key or identity mismatch?)", remote, exc)
+
+
+def _remote_name(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"
+

@@ -1,0 +1,103 @@
+"""Real agent processes for tests: start, ask for status, signal, stop. Everything binds
+to loopback addresses (127.0.0.0/8) that the test picks."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_STEP_S = 0.1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class AgentProc:
+    state_dir: Path
+    listen: str
+    peers: list[str] = field(default_factory=list)
+    key_file: Path | None = None
+    extra: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "p2pmesh", "agent", "--state-dir", str(self.state_dir), "--listen", self.listen, *self.extra]
+        for p in self.peers:
+            cmd += ["--peer", p]
+        if self.key_file is not None:
+            cmd += ["--cluster-key-file", str(self.key_file)]
+        log = open(self.state_dir.with_suffix(".log"), "ab")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def status(self) -> dict[str, Any] | None:
+        r = subprocess.run(
+            [sys.executable, "-m", "p2pmesh", "status", "--json", "--state-dir", str(self.state_dir)],
+            cwd=ROOT, capture_output=True, text=True, timeout=20,
+        )
+        if r.returncode != 0:
+            return None
+        return json.loads(r.stdout)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+    def log_text(self) -> str:
+        path = self.state_dir.with_suffix(".log")
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(WAIT_STEP_S)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def one_cluster(agents: list[AgentProc], voters: int) -> dict[str, Any] | None:
+    """All agents report the same cluster, the same leader, and `voters` up voters."""
+    statuses = [a.status() for a in agents]
+    if any(s is None for s in statuses):
+        return None
+    clusters = {s["cluster_id"] for s in statuses}  # type: ignore[index]
+    leaders = {s["leader"] for s in statuses}  # type: ignore[index]
+    if len(clusters) != 1 or None in clusters or len(leaders) != 1 or None in leaders:
+        return None
+    first = statuses[0]
+    assert first is not None
+    members = first["members"]
+    if sum(1 for m in members if m["voter"] and m["up"]) != voters or len(members) != voters:
+        return None
+    return first

@@ -1,0 +1,114 @@
+"""Real agent processes on loopback: formation, leader SIGKILL, restart from disk, a
+wrong cluster key, a corrupt state file, status and key commands."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.agent.harness import ROOT, AgentProc, free_port, one_cluster, wait_for
+
+FORM_TIMEOUT_S = 30
+
+
+def _cluster(tmp_path: Path, n: int, key_file: Path) -> list[AgentProc]:
+    port = free_port()
+    listens = [f"127.0.0.{i + 2}:{port}" for i in range(n)]
+    agents = []
+    for i in range(n):
+        a = AgentProc(tmp_path / f"a{i}", listens[i], peers=[l for l in listens if l != listens[i]], key_file=key_file)
+        a.state_dir.mkdir()
+        agents.append(a)
+    return agents
+
+
+def _key_file(tmp_path: Path, name: str = "key") -> Path:
+    from p2pmesh.drivers.keys import write_key
+
+    path = tmp_path / f"{name}.txt"
+    write_key(path, bytes(range(32)) if name == "key" else bytes(32))
+    return path
+
+
+@pytest.fixture
+def three(tmp_path: Path):  # type: ignore[no-untyped-def]
+    agents = _cluster(tmp_path, 3, _key_file(tmp_path))
+    for a in agents:
+        a.start()
+    yield agents
+    for a in agents:
+        a.stop()
+
+
+def test_three_agents_form_one_cluster_and_survive_a_leader_kill(three: list[AgentProc]) -> None:
+    status = wait_for(lambda: one_cluster(three, 3), FORM_TIMEOUT_S, "one cluster of 3")
+    for key in ("node_id", "pid", "cluster_id", "role", "term", "leader", "commit_index", "members"):
+        assert key in status
+    assert {"node_id", "voter", "up", "addresses"} <= set(status["members"][0])
+    leader_id = status["leader"]
+    victim = next(a for a in three if (a.status() or {}).get("node_id") == leader_id)
+    commit_before = status["commit_index"]
+    victim.kill()
+    rest = [a for a in three if a is not victim]
+
+    def new_leader() -> bool:
+        ss = [a.status() for a in rest]
+        return all(s and s["leader"] and s["leader"] != leader_id and s["commit_index"] > commit_before for s in ss)
+
+    wait_for(new_leader, FORM_TIMEOUT_S, "a new leader that commits")
+    victim.start()
+    back = wait_for(lambda: one_cluster(three, 3), FORM_TIMEOUT_S, "the killed agent back in the cluster")
+    assert any(m["node_id"] == leader_id for m in back["members"])
+    restarted = victim.status()
+    assert restarted is not None and restarted["node_id"] == leader_id  # same identity from its own disk
+
+
+def test_an_agent_with_another_key_is_refused(tmp_path: Path) -> None:
+    agents = _cluster(tmp_path, 3, _key_file(tmp_path))
+    agents[2].key_file = _key_file(tmp_path, "other")
+    try:
+        for a in agents:
+            a.start()
+        wait_for(lambda: one_cluster(agents[:2], 2), FORM_TIMEOUT_S, "the two agents with the key")
+        outsider = wait_for(agents[2].status, FORM_TIMEOUT_S, "the outsider's status")
+        members = {m["node_id"] for m in (agents[0].status() or {})["members"]}
+        assert outsider["node_id"] not in members
+        assert outsider["cluster_id"] != (agents[0].status() or {})["cluster_id"]
+        assert all(m["node_id"] == outsider["node_id"] for m in outsider["members"])  # learned nobody
+    finally:
+        for a in agents:
+            a.stop()
+
+
+def test_sigterm_stops_cleanly_and_status_says_not_running(tmp_path: Path) -> None:
+    a = AgentProc(tmp_path / "solo", f"127.0.0.2:{free_port()}", key_file=_key_file(tmp_path))
+    a.state_dir.mkdir()
+    a.start()
+    try:
+        s = wait_for(lambda: (a.status() or {}).get("role") == "standalone" and a.status(), FORM_TIMEOUT_S, "a standalone agent")
+        assert s["members"][0]["voter"]
+        a.signal(signal.SIGTERM)
+        assert a.proc is not None and a.proc.wait(timeout=15) == 0
+        r = subprocess.run([sys.executable, "-m", "p2pmesh", "status", "--json", "--state-dir", str(a.state_dir)], cwd=ROOT, capture_output=True, text=True, timeout=20)
+        assert r.returncode == 1 and "p2pmesh agent" in r.stderr
+    finally:
+        a.stop()
+
+
+def test_key_show_and_set_round_trip(tmp_path: Path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "p2pmesh", *args], cwd=ROOT, capture_output=True, text=True, timeout=20)
+
+    from p2pmesh.drivers.keys import format_key
+
+    key_text = format_key(bytes(range(32)))
+    assert run("key", "show", "--state-dir", str(tmp_path)).returncode == 1
+    assert run("key", "set", key_text, "--state-dir", str(tmp_path)).returncode == 0
+    shown = run("key", "show", "--state-dir", str(tmp_path))
+    assert shown.returncode == 0 and shown.stdout.strip() == key_text
+    typo = key_text[:-1] + ("A" if key_text[-1] != "A" else "B")
+    bad = run("key", "set", typo, "--state-dir", str(tmp_path))
+    assert bad.returncode == 2 and "typo" in bad.stderr
