@@ -38,7 +38,10 @@ from p2pmesh.core.messages import Capabilities
 from p2pmesh.core.settings import Settings
 from p2pmesh.drivers import control, keys
 from p2pmesh.drivers.storage import Storage
-from p2pmesh.drivers.tls import Credentials
+from p2pmesh.core.advert import Advert
+from p2pmesh.core.wire import PROTOCOL_VERSION
+from p2pmesh.drivers.discovery import Discovery, DiscoveryConfig, interface_addresses
+from p2pmesh.drivers.tls import Credentials, cluster_fingerprint
 from p2pmesh.drivers.transport import Transport
 
 log = logging.getLogger("p2pmesh.agent")
@@ -57,7 +60,7 @@ def default_state_dir() -> Path:
 @dataclass(frozen=True)
 class AgentConfig:
     state_dir: Path = field(default_factory=default_state_dir)
-    listen: str = f"0.0.0.0:{DEFAULT_PORT}"
+    listen: tuple[str, ...] = (f"0.0.0.0:{DEFAULT_PORT}",)
     peers: tuple[str, ...] = ()
     interfaces: tuple[str, ...] = ()
     cluster_key_file: Path | None = None
@@ -65,6 +68,7 @@ class AgentConfig:
     """Addresses other agents should dial (defaults to the listen address)."""
     settings: Settings = Settings()
     leave_on_exit: bool = False
+    mdns: bool = True
 
     @property
     def socket_path(self) -> Path:
@@ -107,10 +111,16 @@ class Agent:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
-        host, port = _split(cfg.listen)
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        listeners: list[trio.SocketListener] = []
+        for address in cfg.listen:
+            host, port = _split(address)
+            listeners += await trio.open_tcp_listeners(port, host=host)
         bound_port = listeners[0].socket.getsockname()[1]
-        advertise = cfg.advertise or (f"{host}:{bound_port}",)
+        advertise = cfg.advertise or tuple(
+            f"{_split(a)[0]}:{l.socket.getsockname()[1]}" for a, l in zip(cfg.listen, listeners) if not _split(a)[0] in ("0.0.0.0", "::")
+        ) or tuple(
+            _dial(addr, bound_port) for addr in interface_addresses(cfg.interfaces, include_loopback=False)
+        )
         server_ctx, client_ctx = self.credentials.contexts()
         self.transport = Transport(
             me=self.identity.node_id, server_ctx=server_ctx, client_ctx=client_ctx, inbox=self.inbox_send, rng=self.rng
@@ -130,6 +140,10 @@ class Agent:
             await nursery.start(self.transport.run, listeners)
             for peer in cfg.peers:
                 nursery.start_soon(self.transport.dial_static, peer)
+            if cfg.mdns:
+                me = Advert(self.identity.node_id, PROTOCOL_VERSION, cluster_fingerprint(self.cluster_key), _capabilities().memory_bytes, _capabilities().chip)
+                discovery = Discovery(DiscoveryConfig(me, bound_port, cfg.interfaces), self.inbox_send)
+                await nursery.start(discovery.run)
             await nursery.start(control.serve, cfg.socket_path, self)
             await self._act(ready)
             task_status.started()
@@ -191,6 +205,10 @@ class Agent:
             "members": members,
             "state_dir": str(self.config.state_dir),
         }
+
+
+def _dial(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _split(address: str) -> tuple[str, int]:

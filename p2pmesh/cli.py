@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
 
     agent = sub.add_parser("agent", help="run the agent (the same on every Mac, no options needed)")
     state_dir(agent)
-    agent.add_argument("--listen", default="0.0.0.0:7741", help="HOST:PORT to accept peers on")
+    agent.add_argument("--listen", action="append", default=[], help="HOST:PORT to accept peers on (repeatable; default 0.0.0.0:7741)")
+    agent.add_argument("--no-mdns", action="store_true", help="do not advertise or browse with zeroconf (static peers only)")
     agent.add_argument("--interface", action="append", default=[], help="network interface to use (repeatable)")
     agent.add_argument("--peer", action="append", default=[], help="static peer HOST:PORT where multicast is blocked")
     agent.add_argument("--advertise", action="append", default=[], help="HOST:PORT peers should dial (default: --listen)")
@@ -77,7 +78,8 @@ def _agent(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     config = AgentConfig(
         state_dir=args.state_dir,
-        listen=args.listen,
+        listen=tuple(args.listen) or ("0.0.0.0:7741",),
+        mdns=not args.no_mdns,
         peers=tuple(args.peer),
         interfaces=tuple(args.interface),
         cluster_key_file=args.cluster_key_file,

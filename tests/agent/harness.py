@@ -29,11 +29,16 @@ class AgentProc:
     listen: str
     peers: list[str] = field(default_factory=list)
     key_file: Path | None = None
-    extra: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=lambda: ["--no-mdns"])
     proc: subprocess.Popen[bytes] | None = None
+    prefix: list[str] = field(default_factory=list)
+    """A command prefix such as ["ip", "netns", "exec", NAME] to run inside a namespace."""
+    listens: list[str] = field(default_factory=list)
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "p2pmesh", "agent", "--state-dir", str(self.state_dir), "--listen", self.listen, *self.extra]
+        cmd = [*self.prefix, sys.executable, "-m", "p2pmesh", "agent", "--state-dir", str(self.state_dir), *self.extra]
+        for address in [self.listen, *self.listens] if self.listen else self.listens:
+            cmd += ["--listen", address]
         for p in self.peers:
             cmd += ["--peer", p]
         if self.key_file is not None:

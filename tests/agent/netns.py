@@ -1,0 +1,106 @@
+"""Linux network namespaces as Macs and veth pairs as Thunderbolt cables.
+
+Only namespaces and links this module created are touched; every name carries a per-run
+prefix and everything is deleted on close. Needs root (CI runs as root); tests skip with a
+reason when it is missing, except in CI where they must run.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+import pytest
+
+IP_TIMEOUT_S = 10
+
+
+def require_root() -> None:
+    ok = os.geteuid() == 0 and shutil.which("ip") is not None
+    if not ok:
+        if os.environ.get("CI"):
+            raise AssertionError("namespace tests must run in CI: run as root with iproute2 installed")
+        pytest.skip("needs root and iproute2 (ip netns); CI runs these")
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+    if probe.returncode != 0:
+        if os.environ.get("CI"):
+            raise AssertionError(f"ip netns does not work here: {probe.stderr}")
+        pytest.skip(f"ip netns does not work here: {probe.stderr.strip()}")
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {r.stderr.strip()}")
+    return r
+
+
+@dataclass
+class Cable:
+    a: str
+    b: str
+    dev_a: str
+    dev_b: str
+    addr_a: str
+    addr_b: str
+
+
+@dataclass
+class Bench:
+    """A set of namespaces ("hosts") joined by veth "cables"."""
+
+    prefix: str
+    hosts: list[str] = field(default_factory=list)
+    cables: list[Cable] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, count: int) -> Bench:
+        bench = cls(prefix=f"p2pm{os.getpid() % 100000}")
+        try:
+            for i in range(count):
+                name = f"{bench.prefix}h{i}"
+                ip("netns", "add", name)
+                bench.hosts.append(name)
+                ip("-n", name, "link", "set", "lo", "up")
+        except Exception:
+            bench.close()
+            raise
+        return bench
+
+    def plug(self, i: int, j: int) -> Cable:
+        n = len(self.cables)
+        a, b = self.hosts[i], self.hosts[j]
+        dev_a, dev_b = f"tb{n}a{i}", f"tb{n}b{j}"
+        ip("link", "add", dev_a, "netns", a, "type", "veth", "peer", "name", dev_b, "netns", b)
+        addr_a, addr_b = f"10.77.{n}.1", f"10.77.{n}.2"
+        ip("-n", a, "addr", "add", f"{addr_a}/30", "dev", dev_a)
+        ip("-n", b, "addr", "add", f"{addr_b}/30", "dev", dev_b)
+        ip("-n", a, "link", "set", dev_a, "up", "multicast", "on")
+        ip("-n", b, "link", "set", dev_b, "up", "multicast", "on")
+        cable = Cable(a, b, dev_a, dev_b, addr_a, addr_b)
+        self.cables.append(cable)
+        return cable
+
+    def set_link(self, cable: Cable, up: bool) -> None:
+        state = "up" if up else "down"
+        ip("-n", cable.a, "link", "set", cable.dev_a, state)
+        ip("-n", cable.b, "link", "set", cable.dev_b, state)
+
+    def addresses(self, i: int) -> list[str]:
+        host = self.hosts[i]
+        out = []
+        for c in self.cables:
+            if c.a == host:
+                out.append(c.addr_a)
+            elif c.b == host:
+                out.append(c.addr_b)
+        return out
+
+    def exec_prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.hosts[i]]
+
+    def close(self) -> None:
+        for name in self.hosts:
+            ip("netns", "del", name, check=False)
+        self.hosts.clear()

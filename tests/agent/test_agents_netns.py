@@ -1,0 +1,83 @@
+"""Agents in network namespaces joined by veth "cables", finding each other with real
+mDNS (zeroconf) and no static peers."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.agent.harness import ROOT, AgentProc, one_cluster, wait_for
+from tests.agent.netns import Bench, require_root
+
+FORM_TIMEOUT_S = 40
+BROWSER = """
+import sys, time
+from zeroconf import Zeroconf, ServiceBrowser
+zc = Zeroconf(interfaces=[sys.argv[1]])
+found = {}
+class H:
+    def add_service(self, zc_, t, name):
+        info = zc_.get_service_info(t, name, timeout=3000)
+        if info: found[name] = {k.decode(): (v or b"").decode() for k, v in info.properties.items()}
+    def update_service(self, *a): pass
+    def remove_service(self, *a): pass
+ServiceBrowser(zc, "_p2pmesh._tcp.local.", H())
+deadline = time.monotonic() + 8
+while time.monotonic() < deadline and not found:
+    time.sleep(0.1)
+zc.close()
+import json; print(json.dumps(found))
+"""
+
+
+@pytest.fixture
+def mesh(tmp_path: Path):  # type: ignore[no-untyped-def]
+    require_root()
+    bench = Bench.create(3)
+    agents: list[AgentProc] = []
+    try:
+        for i in range(3):
+            for j in range(i + 1, 3):
+                bench.plug(i, j)
+        from p2pmesh.drivers.keys import write_key
+
+        key = tmp_path / "key"
+        write_key(key, bytes(range(32)))
+        for i in range(3):
+            state = tmp_path / f"h{i}"
+            state.mkdir()
+            a = AgentProc(state, "", key_file=key, extra=[], prefix=bench.exec_prefix(i),
+                          listens=[f"{addr}:7741" for addr in bench.addresses(i)])
+            agents.append(a)
+        yield bench, agents
+    finally:
+        for a in agents:
+            a.stop()
+        bench.close()
+
+
+def test_three_hosts_find_each_other_by_mdns_and_form_one_cluster(mesh) -> None:  # type: ignore[no-untyped-def]
+    bench, agents = mesh
+    for a in agents:
+        a.start()
+    status = wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3 over mDNS")
+    assert len(status["members"]) == 3
+
+
+def test_an_independent_zeroconf_browser_sees_the_agent(mesh) -> None:  # type: ignore[no-untyped-def]
+    bench, agents = mesh
+    agents[0].start()
+    wait_for(agents[0].status, FORM_TIMEOUT_S, "the agent to answer")
+    node_id = agents[0].status()["node_id"]  # type: ignore[index]
+    out = subprocess.run(
+        [*bench.exec_prefix(1), sys.executable, "-c", BROWSER, bench.addresses(1)[0]],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    import json
+
+    found = json.loads(out.stdout)
+    txts = list(found.values())
+    assert any(t.get("id") == node_id and t.get("pv") == "1" and len(t.get("cid", "")) == 16 for t in txts), found
