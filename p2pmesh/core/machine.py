@@ -155,6 +155,13 @@ class ClusterEvent:
 
 @dataclass(slots=True)
 class Ready:
+    """One batch of effects. Contract for drivers: first make the durable part durable
+    (``hard``; then ``snapshot``, which drops stored entries at or below its index; then
+    the log suffix: drop stored entries at ``log_truncate_from`` and after, append
+    ``log_entries``, which start at ``max(log_truncate_from, snapshot.index + 1)`` and are
+    contiguous), then send ``messages``, then act on ``applied``, ``reads``, ``events``
+    and ``left``. Readies are handled strictly in order."""
+
     hard: NodeHardState | None = None
     snapshot: Snapshot | None = None
     log_truncate_from: int | None = None
@@ -685,7 +692,7 @@ class Machine:
 
     def _propose(self, command: Command, now_ms: int) -> None:
         r = self.raft
-        if r is None:
+        if r is None or validate.command_problem(command) is not None:
             return
         if r.role is Role.LEADER:
             r.propose(command, now_ms)
@@ -789,8 +796,8 @@ class Machine:
         ready.reads.extend(out.reads)
         if out.hard_state is not None:
             self._persist_hard()
-        if out.snapshot is not None and ready.snapshot is None:
-            ready.snapshot = out.snapshot
+        if out.snapshot is not None:
+            ready.snapshot = out.snapshot  # the latest snapshot supersedes any earlier one
         if out.log_dirty_from is not None:
             start = out.log_dirty_from
             if ready.log_truncate_from is None or start < ready.log_truncate_from:

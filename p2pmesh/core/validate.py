@@ -80,3 +80,14 @@ def _snapshot(s: Snapshot, term: int) -> str | None:
     if s.index < 0 or s.term < 0 or s.term > term or (s.index == 0) != (s.term == 0):
         return "snapshot with impossible index or term"
     return None
+
+
+def command_problem(cmd: object) -> str | None:
+    """Why a locally requested command cannot enter the log (it must be readable back
+    from every follower's frames and disk)."""
+    from p2pmesh.core.messages import Put
+    from p2pmesh.core.wire import STR_LEN_MAX
+
+    if isinstance(cmd, Put) and (len(cmd.key) > 256 or len(cmd.value) > STR_LEN_MAX):
+        return f"a value may hold at most {STR_LEN_MAX} characters and a key 256"
+    return None
