@@ -103,6 +103,7 @@ class Agent:
         self.machine: Machine | None = None
         self.transport: Transport | None = None
         self.left = trio.Event()
+        self.control_active = 0
         self.started_ms = 0
 
     @staticmethod
@@ -148,6 +149,10 @@ class Agent:
             await self._act(ready)
             task_status.started()
             await self._loop()
+            # Let control requests that waited for the leave answer before we go.
+            with trio.move_on_after(2.0):
+                while self.control_active:
+                    await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
 
     async def _loop(self) -> None:
@@ -237,6 +242,9 @@ async def run_agent(config: AgentConfig) -> int:
 
         nursery.start_soon(watch_signals)
         await agent.left.wait()
+        with trio.move_on_after(2.5):
+            while agent.control_active:
+                await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     agent.storage.close()
     return 0

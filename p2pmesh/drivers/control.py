@@ -23,6 +23,7 @@ class _Agent(Protocol):
     def request_leave(self) -> None: ...
 
     left: trio.Event
+    control_active: int
 
 
 class ControlError(Exception):
@@ -55,6 +56,7 @@ async def serve(path: Path, agent: _Agent, *, task_status: trio.TaskStatus[None]
 
 async def _handle(stream: trio.SocketStream, agent: _Agent, limiter: trio.CapacityLimiter) -> None:
     async with limiter, stream:
+        agent.control_active += 1
         try:
             with trio.fail_after(REQUEST_TIMEOUT_S):
                 buf = b""
@@ -67,6 +69,8 @@ async def _handle(stream: trio.SocketStream, agent: _Agent, limiter: trio.Capaci
                 await stream.send_all(json.dumps(response).encode() + b"\n")
         except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
             return
+        finally:
+            agent.control_active -= 1
 
 
 async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:

@@ -112,3 +112,31 @@ def test_key_show_and_set_round_trip(tmp_path: Path) -> None:
     typo = key_text[:-1] + ("A" if key_text[-1] != "A" else "B")
     bad = run("key", "set", typo, "--state-dir", str(tmp_path))
     assert bad.returncode == 2 and "typo" in bad.stderr
+
+
+def test_graceful_leave_shrinks_the_cluster_and_exits(three: list[AgentProc]) -> None:
+    wait_for(lambda: one_cluster(three, 3), FORM_TIMEOUT_S, "one cluster of 3")
+    leaver = three[0]
+    r = subprocess.run([sys.executable, "-m", "p2pmesh", "leave", "--state-dir", str(leaver.state_dir)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "left the cluster" in r.stdout, r.stdout + r.stderr
+    assert leaver.proc is not None and leaver.proc.wait(timeout=20) == 0
+    wait_for(lambda: one_cluster(three[1:], 2), FORM_TIMEOUT_S, "the remaining two as a cluster of 2")
+
+
+def test_a_corrupt_state_file_stops_the_agent_with_a_clear_error(tmp_path: Path) -> None:
+    a = AgentProc(tmp_path / "solo", f"127.0.0.2:{free_port()}", key_file=_key_file(tmp_path))
+    a.state_dir.mkdir()
+    a.start()
+    wait_for(lambda: (a.status() or {}).get("role") == "standalone", FORM_TIMEOUT_S, "a standalone agent")
+    assert a.stop() == 0
+    wal = a.state_dir / "wal"
+    data = bytearray(wal.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    wal.write_bytes(bytes(data))
+    r = subprocess.run(
+        [sys.executable, "-m", "p2pmesh", "agent", "--state-dir", str(a.state_dir), "--listen", a.listen, "--no-mdns",
+         "--cluster-key-file", str(a.key_file)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 2
+    assert "wal" in r.stderr and "move the state directory aside" in r.stderr, r.stderr
