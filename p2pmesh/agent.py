@@ -115,10 +115,10 @@ class Agent:
         listeners: list[trio.SocketListener] = []
         for address in cfg.listen:
             host, port = _split(address)
-            listeners += await trio.open_tcp_listeners(port, host=host)
+            listeners += await trio.open_tcp_listeners(port, host=host or None)
         bound_port = listeners[0].socket.getsockname()[1]
         advertise = cfg.advertise or tuple(
-            f"{_split(a)[0]}:{l.socket.getsockname()[1]}" for a, l in zip(cfg.listen, listeners) if not _split(a)[0] in ("0.0.0.0", "::")
+            f"{_split(a)[0]}:{l.socket.getsockname()[1]}" for a, l in zip(cfg.listen, listeners) if _split(a)[0] not in ("", "0.0.0.0", "::")
         ) or tuple(
             _dial(addr, bound_port) for addr in interface_addresses(cfg.interfaces, include_loopback=False)
         )
@@ -220,7 +220,8 @@ def _split(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not port.isdigit():
         raise ValueError(f"--listen must look like HOST:PORT, got {address!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    # An empty host (":7741") means every address, like 0.0.0.0 and :: together.
+    return host.strip("[]"), int(port)
 
 
 async def run_agent(config: AgentConfig) -> int:

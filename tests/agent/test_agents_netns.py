@@ -81,3 +81,68 @@ def test_an_independent_zeroconf_browser_sees_the_agent(mesh) -> None:  # type: 
     found = json.loads(out.stdout)
     txts = list(found.values())
     assert any(t.get("id") == node_id and t.get("pv") == "1" and len(t.get("cid", "")) == 16 for t in txts), found
+
+
+def _agents(bench: Bench, tmp_path: Path, key: Path) -> list[AgentProc]:
+    agents = []
+    for i in range(len(bench.hosts)):
+        state = tmp_path / f"n{i}"
+        state.mkdir(exist_ok=True)
+        # ":7741" binds every address *inside the host's own namespace* (its cables only),
+        # so links plugged later are served without a restart.
+        agents.append(AgentProc(state, "", key_file=key, extra=[], prefix=bench.exec_prefix(i), listens=[":7741"]))
+    return agents
+
+
+def _key(tmp_path: Path) -> Path:
+    from p2pmesh.drivers.keys import write_key
+
+    path = tmp_path / "key"
+    write_key(path, bytes(range(32)))
+    return path
+
+
+def test_five_hosts_started_at_once_form_exactly_one_cluster(tmp_path: Path) -> None:
+    require_root()
+    bench = Bench.create(5)
+    agents: list[AgentProc] = []
+    try:
+        for i in range(5):
+            for j in range(i + 1, 5):
+                bench.plug(i, j)
+        agents = _agents(bench, tmp_path, _key(tmp_path))
+        for a in agents:
+            a.start()
+        status = wait_for(lambda: one_cluster(agents, 5), FORM_TIMEOUT_S, "one cluster of 5 over mDNS")
+        assert len({m["node_id"] for m in status["members"]}) == 5
+    finally:
+        for a in agents:
+            a.stop()
+        bench.close()
+
+
+def test_two_clusters_merge_when_cables_join_them(tmp_path: Path) -> None:
+    require_root()
+    bench = Bench.create(4)
+    agents: list[AgentProc] = []
+    try:
+        bench.plug(0, 1)
+        bench.plug(2, 3)
+        key = _key(tmp_path)
+        agents = _agents(bench, tmp_path, key)
+        for a in agents:
+            a.start()
+        left = wait_for(lambda: one_cluster(agents[:2], 2), FORM_TIMEOUT_S, "cluster A of 2")
+        right = wait_for(lambda: one_cluster(agents[2:], 2), FORM_TIMEOUT_S, "cluster B of 2")
+        assert left["cluster_id"] != right["cluster_id"]
+        # Cable the two pairs together (every host to every host across the pairs); the
+        # running agents follow the new interfaces and merge.
+        for i in (0, 1):
+            for j in (2, 3):
+                bench.plug(i, j)
+        merged = wait_for(lambda: one_cluster(agents, 4), FORM_TIMEOUT_S, "one merged cluster of 4")
+        assert merged["cluster_id"] in (left["cluster_id"], right["cluster_id"])
+    finally:
+        for a in agents:
+            a.stop()
+        bench.close()
