@@ -33,6 +33,9 @@ log = logging.getLogger("p2pmesh.transport")
 
 HANDSHAKE_TIMEOUT_S = 5.0
 HANDSHAKES_CONCURRENT_MAX = 16
+HANDSHAKES_PER_ADDRESS_MAX = 4
+"""One remote address may hold only a few handshakes at once: a flood from one host cannot
+occupy the slots real peers need."""
 SEND_QUEUE_LEN_MAX = 512
 DIAL_BACKOFF_MIN_S = 0.05
 DIAL_BACKOFF_MAX_S = 2.0
@@ -78,6 +81,8 @@ class Transport:
         self.addresses: dict[NodeId, tuple[str, ...]] = {}
         self.dialing: set[NodeId] = set()
         self.handshakes = trio.CapacityLimiter(HANDSHAKES_CONCURRENT_MAX)
+        self.pending: dict[str, int] = {}
+        """Handshakes in progress per remote address."""
         self.dropped_frames = 0
         self.refused = 0
         self._last_refusal_log: dict[str, float] = {}
@@ -97,7 +102,8 @@ class Transport:
         async with listener:
             while True:
                 stream = await listener.accept()
-                if len(self.conns) >= CONNECTIONS_MAX:
+                ip = _remote_name(stream).rsplit(":", 1)[0]
+                if len(self.conns) >= CONNECTIONS_MAX or self.pending.get(ip, 0) >= HANDSHAKES_PER_ADDRESS_MAX:
                     await trio.aclose_forcefully(stream)
                     continue
                 assert self._nursery is not None
@@ -176,6 +182,8 @@ class Transport:
         ctx = self.client_ctx if dialed else self.server_ctx
         tls = trio.SSLStream(stream, ctx, server_side=not dialed, server_hostname=None if not dialed else "p2pmesh")
         remote = _remote_name(stream)
+        ip = remote.rsplit(":", 1)[0]
+        self.pending[ip] = self.pending.get(ip, 0) + 1
         try:
             async with self.handshakes:
                 with trio.fail_after(HANDSHAKE_TIMEOUT_S):
@@ -186,6 +194,12 @@ class Transport:
             self._log_refusal(remote, exc)
             await trio.aclose_forcefully(tls)
             return None
+        finally:
+            left = self.pending.get(ip, 1) - 1
+            if left > 0:
+                self.pending[ip] = left
+            else:
+                self.pending.pop(ip, None)
         if peer == self.me or (expect is not None and peer != expect):
             self._log_refusal(remote, RemoteProtocolError(f"expected {expect}, got {peer}"))
             await trio.aclose_forcefully(tls)

@@ -140,3 +140,15 @@ def test_a_corrupt_state_file_stops_the_agent_with_a_clear_error(tmp_path: Path)
     )
     assert r.returncode == 2
     assert "wal" in r.stderr and "move the state directory aside" in r.stderr, r.stderr
+
+
+def test_five_agents_started_at_once_form_exactly_one_cluster(tmp_path: Path) -> None:
+    agents = _cluster(tmp_path, 5, _key_file(tmp_path))
+    try:
+        for a in agents:
+            a.start()
+        status = wait_for(lambda: one_cluster(agents, 5), FORM_TIMEOUT_S * 2, "one cluster of 5")
+        assert len({m["node_id"] for m in status["members"]}) == 5
+    finally:
+        for a in agents:
+            a.stop()

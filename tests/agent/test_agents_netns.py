@@ -146,3 +146,26 @@ def test_two_clusters_merge_when_cables_join_them(tmp_path: Path) -> None:
         for a in agents:
             a.stop()
         bench.close()
+
+
+def test_a_host_whose_cables_are_pulled_is_marked_down_then_back(mesh) -> None:  # type: ignore[no-untyped-def]
+    bench, agents = mesh
+    for a in agents:
+        a.start()
+    status = wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
+    # Pull every cable of a host that is not the leader: the others mark it down.
+    victim_index = next(i for i, a in enumerate(agents) if (a.status() or {}).get("node_id") != status["leader"])
+    victim_id = agents[victim_index].status()["node_id"]  # type: ignore[index]
+    cables = [c for c in bench.cables if bench.hosts[victim_index] in (c.a, c.b)]
+    for c in cables:
+        bench.set_link(c, up=False)
+    others = [a for i, a in enumerate(agents) if i != victim_index]
+
+    def marked_down() -> bool:
+        s = others[0].status()
+        return bool(s) and any(m["node_id"] == victim_id and not m["up"] for m in s["members"])  # type: ignore[index]
+
+    wait_for(marked_down, FORM_TIMEOUT_S, "the cut-off host marked down")
+    for c in cables:
+        bench.set_link(c, up=True)
+    wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "the host back and up in one cluster")
