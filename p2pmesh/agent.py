@@ -126,17 +126,8 @@ class Agent:
         self.transport = Transport(
             me=self.identity.node_id, server_ctx=server_ctx, client_ctx=client_ctx, inbox=self.inbox_send, rng=self.rng
         )
-        persisted = await trio.to_thread.run_sync(self.storage.load)
-        self.machine, ready = Machine.boot(
-            node_id=self.identity.node_id,
-            persisted=persisted,
-            settings=cfg.settings,
-            rng=self.rng,
-            now_ms=self.now_ms(),
-            addresses=advertise,
-            caps=_capabilities(),
-        )
-        log.info("agent %s listening on %s (state %s)", self.identity.node_id, advertise[0], cfg.state_dir)
+        # With no address yet (a cable still coming up), peers learn ours from mDNS.
+        log.info("agent %s listening on %s (state %s)", self.identity.node_id, ", ".join(advertise) or f"port {bound_port}", cfg.state_dir)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.transport.run, listeners)
             for peer in cfg.peers:
@@ -145,6 +136,18 @@ class Agent:
                 me = Advert(self.identity.node_id, PROTOCOL_VERSION, cluster_fingerprint(self.cluster_key), _capabilities().memory_bytes, _capabilities().chip)
                 discovery = Discovery(DiscoveryConfig(me, bound_port, cfg.interfaces), self.inbox_send)
                 await nursery.start(discovery.run)
+            # Boot the core only once discovery browses: its formation wait (who founds the
+            # cluster) must count from when peers can be seen, not from process start.
+            persisted = await trio.to_thread.run_sync(self.storage.load)
+            self.machine, ready = Machine.boot(
+                node_id=self.identity.node_id,
+                persisted=persisted,
+                settings=cfg.settings,
+                rng=self.rng,
+                now_ms=self.now_ms(),
+                addresses=advertise,
+                caps=_capabilities(),
+            )
             await nursery.start(control.serve, cfg.socket_path, self)
             await self._act(ready)
             task_status.started()
@@ -190,7 +193,10 @@ class Agent:
 
     def status(self) -> dict[str, Any]:
         m = self.machine
-        assert m is not None
+        if m is None:
+            return {"node_id": self.identity.node_id, "pid": os.getpid(), "cluster_id": None, "role": "starting",
+                    "term": 0, "leader": None, "commit_index": 0, "applied_index": 0, "healthy": False,
+                    "members": [], "state_dir": str(self.config.state_dir)}
         st = m.status()
         r = m.raft
         members = []

@@ -103,6 +103,7 @@ class Discovery:
     def _start(self, addrs: list[str], token: trio.lowlevel.TrioToken, names: trio.MemorySendChannel[str]) -> Zeroconf:
         """In a thread: bind zeroconf to exactly these interfaces, register, browse."""
         zc = Zeroconf(interfaces=_zc_interfaces(addrs), ip_version=IPVersion.All)
+        self.zc = zc  # resolving may start before registration below has finished
         me = self.config.me
         info = ServiceInfo(
             advert.SERVICE_TYPE,
@@ -112,7 +113,6 @@ class Discovery:
             parsed_addresses=[a.split("%")[0] for a in addrs],
             server=f"p2pmesh-{me.node_id[:16]}.local.",
         )
-        zc.register_service(info)
 
         def on_change(zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
             if state_change in (ServiceStateChange.Added, ServiceStateChange.Updated):
@@ -121,11 +121,14 @@ class Discovery:
                 except trio.RunFinishedError:
                     pass
 
+        # Browse first: peers are found while our own name is still being probed (~1.5 s).
         ServiceBrowser(zc, advert.SERVICE_TYPE, handlers=[on_change])
+        zc.register_service(info)
         return zc
 
     async def _resolve_loop(self, names: trio.MemoryReceiveChannel[str]) -> None:
         async for name in names:
+            log.debug("service seen: %s", name)
             if name != advert.instance_name(self.config.me.node_id):
                 await self._resolve(name)
 
@@ -142,6 +145,7 @@ class Discovery:
     async def _resolve(self, name: str) -> None:
         info = await trio.to_thread.run_sync(self._request, name)
         if info is None or not info.port:
+            log.debug("could not resolve %s", name)
             return
         try:
             peer = advert.parse_txt(info.properties)
@@ -153,6 +157,7 @@ class Discovery:
             self._refuse(name, why)
             return
         addresses = tuple(_dial_address(a, info.port) for a in info.parsed_scoped_addresses())
+        log.debug("discovered %s at %s", peer.node_id, ", ".join(addresses))
         if addresses:
             try:
                 self.inbox.send_nowait(PeerDiscovered(peer.node_id, addresses))

@@ -169,7 +169,8 @@ class Transport:
             host, port = _split_hostport(address)
             with trio.fail_after(HANDSHAKE_TIMEOUT_S):
                 stream = await trio.open_tcp_stream(host, port)
-        except (OSError, trio.TooSlowError, ValueError):
+        except (OSError, trio.TooSlowError, ValueError) as exc:
+            log.debug("dialing %s failed: %r", address, exc)
             return None
         return await self._handshake(stream, expect, True, address)
 

@@ -68,14 +68,15 @@ class Bench:
             raise
         return bench
 
-    def plug(self, i: int, j: int) -> Cable:
+    def plug(self, i: int, j: int, *, ipv4: bool = True) -> Cable:
         n = len(self.cables)
         a, b = self.hosts[i], self.hosts[j]
         dev_a, dev_b = f"tb{n}a{i}", f"tb{n}b{j}"
         ip("link", "add", dev_a, "netns", a, "type", "veth", "peer", "name", dev_b, "netns", b)
         addr_a, addr_b = f"10.77.{n}.1", f"10.77.{n}.2"
-        ip("-n", a, "addr", "add", f"{addr_a}/30", "dev", dev_a)
-        ip("-n", b, "addr", "add", f"{addr_b}/30", "dev", dev_b)
+        if ipv4:
+            ip("-n", a, "addr", "add", f"{addr_a}/30", "dev", dev_a)
+            ip("-n", b, "addr", "add", f"{addr_b}/30", "dev", dev_b)
         ip("-n", a, "link", "set", dev_a, "up", "multicast", "on")
         ip("-n", b, "link", "set", dev_b, "up", "multicast", "on")
         cable = Cable(a, b, dev_a, dev_b, addr_a, addr_b)
