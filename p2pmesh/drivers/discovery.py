@@ -85,8 +85,12 @@ class Discovery:
                         await self._stop()
                         current = addrs
                         if addrs:
-                            self.zc = await trio.to_thread.run_sync(self._start, addrs, token, names_send)
-                            log.info("advertising on %s", ", ".join(addrs))
+                            try:
+                                self.zc = await trio.to_thread.run_sync(self._start, addrs, token, names_send)
+                                log.info("advertising on %s", ", ".join(addrs))
+                            except Exception as exc:  # interfaces change under zeroconf (a cable pulled mid-start)
+                                log.warning("zeroconf could not start on %s: %r; retrying", ", ".join(addrs), exc)
+                                current = None
                     if not started:
                         started = True
                         task_status.started()
@@ -98,7 +102,10 @@ class Discovery:
     async def _stop(self) -> None:
         zc, self.zc = self.zc, None
         if zc is not None:
-            await trio.to_thread.run_sync(zc.close)
+            try:
+                await trio.to_thread.run_sync(zc.close)
+            except Exception as exc:  # closing on interfaces that vanished may fail: drop it
+                log.debug("zeroconf close failed: %r", exc)
 
     def _start(self, addrs: list[str], token: trio.lowlevel.TrioToken, names: trio.MemorySendChannel[str]) -> Zeroconf:
         """In a thread: bind zeroconf to exactly these interfaces, register, browse."""
@@ -121,9 +128,21 @@ class Discovery:
                 except trio.RunFinishedError:
                     pass
 
-        # Browse first: peers are found while our own name is still being probed (~1.5 s).
-        ServiceBrowser(zc, advert.SERVICE_TYPE, handlers=[on_change])
-        zc.register_service(info)
+        try:
+            ServiceBrowser(zc, advert.SERVICE_TYPE, handlers=[on_change])
+        except Exception:
+            self.zc = None
+            zc.close()
+            raise
+        # Our instance name embeds the node id (a hash of our public key), so no other
+        # responder can own it: skip the ~1.5 s of conflict probing (RFC 6762 §8.1 exists
+        # for names people choose) and announce at once.
+        try:
+            zc.register_service(info, cooperating_responders=True)
+        except Exception:
+            self.zc = None
+            zc.close()
+            raise
         return zc
 
     async def _resolve_loop(self, names: trio.MemoryReceiveChannel[str]) -> None:
