@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import random
 import signal
 import sys
@@ -76,12 +77,12 @@ class AgentConfig:
 
 
 def _capabilities() -> Capabilities:
+    """What this machine offers (memory and chip; the Metal working-set limit comes with
+    the inference issue)."""
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         memory = 0
-    import platform
-
     return Capabilities(int(memory), platform.processor() or platform.machine())
 
 
@@ -128,12 +129,13 @@ class Agent:
         )
         # With no address yet (a cable still coming up), peers learn ours from mDNS.
         log.info("agent %s listening on %s (state %s)", self.identity.node_id, ", ".join(advertise) or f"port {bound_port}", cfg.state_dir)
+        caps = _capabilities()
         async with trio.open_nursery() as nursery:
             await nursery.start(self.transport.run, listeners)
             for peer in cfg.peers:
                 nursery.start_soon(self.transport.dial_static, peer)
             if cfg.mdns:
-                me = Advert(self.identity.node_id, PROTOCOL_VERSION, cluster_fingerprint(self.cluster_key), _capabilities().memory_bytes, _capabilities().chip)
+                me = Advert(self.identity.node_id, PROTOCOL_VERSION, cluster_fingerprint(self.cluster_key), caps.memory_bytes, caps.chip)
                 discovery = Discovery(DiscoveryConfig(me, bound_port, cfg.interfaces), self.inbox_send)
                 await nursery.start(discovery.run)
             # Boot the core only once discovery browses: its formation wait (who founds the
@@ -146,7 +148,7 @@ class Agent:
                 rng=self.rng,
                 now_ms=self.now_ms(),
                 addresses=advertise,
-                caps=_capabilities(),
+                caps=caps,
             )
             await nursery.start(control.serve, cfg.socket_path, self)
             await self._act(ready)
