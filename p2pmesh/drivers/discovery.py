@@ -40,9 +40,30 @@ class DiscoveryConfig:
     include_loopback: bool = False
 
 
+IFA_F_TENTATIVE = 0x40
+IFA_F_DADFAILED = 0x08
+
+
+def _unusable_ipv6() -> set[str]:
+    """IPv6 addresses still in duplicate address detection (Linux: /proc/net/if_inet6).
+    A fresh cable's link-local address is tentative for a second or two; zeroconf bound to
+    it then cannot send, so such addresses wait for the next poll."""
+    try:
+        lines = open("/proc/net/if_inet6", encoding="ascii").read().splitlines()
+    except OSError:
+        return set()
+    out: set[str] = set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 6 and int(parts[4], 16) & (IFA_F_TENTATIVE | IFA_F_DADFAILED):
+            out.add(str(ipaddress.IPv6Address(bytes.fromhex(parts[0]))))
+    return out
+
+
 def interface_addresses(names: Iterable[str], include_loopback: bool) -> list[str]:
     """IPv4 and IPv6 (with scope) addresses of the chosen interfaces, sorted."""
     wanted = set(names)
+    unusable = _unusable_ipv6()
     out: list[str] = []
     for adapter in ifaddr.get_adapters():
         if wanted and adapter.nice_name not in wanted:
@@ -50,6 +71,8 @@ def interface_addresses(names: Iterable[str], include_loopback: bool) -> list[st
         for ip in adapter.ips:
             if isinstance(ip.ip, tuple):
                 addr = ipaddress.IPv6Address(ip.ip[0])
+                if str(addr) in unusable:
+                    continue
                 text = f"{ip.ip[0]}%{adapter.nice_name}" if addr.is_link_local else ip.ip[0]
             else:
                 addr = ipaddress.IPv4Address(ip.ip)

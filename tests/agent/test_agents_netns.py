@@ -169,3 +169,25 @@ def test_a_host_whose_cables_are_pulled_is_marked_down_then_back(mesh) -> None: 
     for c in cables:
         bench.set_link(c, up=True)
     wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "the host back and up in one cluster")
+
+
+def test_ipv6_link_local_only_cables_work(tmp_path: Path) -> None:
+    """Thunderbolt links often carry only IPv6 link-local addresses, which are unusable
+    (tentative) for a moment after the cable comes up; discovery must wait for them and
+    dial with the right scope."""
+    require_root()
+    bench = Bench.create(3)
+    agents: list[AgentProc] = []
+    try:
+        for i in range(3):
+            for j in range(i + 1, 3):
+                bench.plug(i, j, ipv4=False)
+        agents = _agents(bench, tmp_path, _key(tmp_path))
+        for a in agents:
+            a.start()
+        status = wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3 over IPv6 link-local")
+        assert len(status["members"]) == 3
+    finally:
+        for a in agents:
+            a.stop()
+        bench.close()
