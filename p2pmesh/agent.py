@@ -28,6 +28,7 @@ import trio
 from p2pmesh.core import wire
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.machine import (
+    FrameReceived,
     Input,
     LeaveRequested,
     Machine,
@@ -170,7 +171,11 @@ class Agent:
                 event = await self.inbox.receive()
             if isinstance(event, PeerDiscovered) and self.transport is not None:
                 self.transport.learn(event.node_id, event.addresses)
+            malformed = machine.malformed_frames
             ready = machine.handle(event, self.now_ms())
+            if machine.malformed_frames > malformed and isinstance(event, FrameReceived) and self.transport is not None:
+                log.warning("closing the connection to %s: it sent a malformed frame", event.peer)
+                self.transport.close(event.peer)
             await self._act(ready)
 
     async def _act(self, ready: Ready) -> None:

@@ -235,6 +235,9 @@ class Machine:
         self.leaving = False
         self.leave_deadline_ms = 0
         self.rejected_frames = 0
+        """Frames dropped for any reason (stale cluster or incarnation included)."""
+        self.malformed_frames = 0
+        """Frames that no correct peer sends: the driver closes the connection they came on."""
         self.ready = Ready()
         self._last_leader: NodeId | None = None
         self._inflight: dict[tuple[str, str], int] = {}
@@ -372,6 +375,7 @@ class Machine:
             msg = wire.decode(event.data)
         except RemoteProtocolError:
             self.rejected_frames += 1
+            self.malformed_frames += 1
             return
         self.receive(event.peer, msg, now_ms)
 
@@ -379,10 +383,12 @@ class Machine:
         """Handle a decoded message from an authenticated peer (checks who claims what)."""
         if not isinstance(msg, MESSAGE_TYPES):
             self.rejected_frames += 1  # a registered value that is not a message
+            self.malformed_frames += 1
             return
         claimed = msg.hdr.src if hasattr(msg, "hdr") else msg.src  # type: ignore[union-attr]
         if claimed != peer or validate.problem(msg) is not None:
             self.rejected_frames += 1  # a peer claiming another node's id, or nonsense
+            self.malformed_frames += 1
             return
         self.last_heard[peer] = now_ms
         if isinstance(msg, Hello):

@@ -131,6 +131,12 @@ class Transport:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.dropped_frames += 1
 
+    def close(self, node_id: NodeId) -> None:
+        """Drop the connection to a peer (it sent something no correct peer sends)."""
+        conn = self.conns.get(node_id)
+        if conn is not None:
+            conn.queue_send.close()  # the writer ends, which ends the whole connection
+
     def _ensure_dialing(self, node_id: NodeId) -> None:
         if node_id in self.dialing or node_id not in self.addresses or self._nursery is None:
             return

@@ -183,3 +183,42 @@ def test_repeated_sigkill_and_restart_never_loses_committed_state(tmp_path: Path
     finally:
         for a in agents:
             a.stop()
+
+
+def test_a_malformed_frame_closes_the_connection(tmp_path: Path) -> None:
+    """A peer that holds the key but sends garbage is disconnected; the agent carries on."""
+    import os
+    import struct
+
+    import trio
+
+    from p2pmesh.core.identity import Identity
+    from p2pmesh.drivers.keys import read_key
+    from p2pmesh.drivers.tls import Credentials
+
+    key_file = _key_file(tmp_path)
+    a = AgentProc(tmp_path / "solo", f"127.0.0.2:{free_port()}", key_file=key_file)
+    a.state_dir.mkdir()
+    a.start()
+    try:
+        wait_for(lambda: (a.status() or {}).get("role") == "standalone", FORM_TIMEOUT_S, "a standalone agent")
+        _, client_ctx = Credentials.issue(Identity.from_seed(os.urandom(32)), read_key(key_file)).contexts()
+        host, port = a.listen.split(":")
+
+        async def poke() -> bool:
+            tls = trio.SSLStream(await trio.open_tcp_stream(host, int(port)), client_ctx, server_hostname="p2pmesh")
+            await tls.do_handshake()
+            await tls.send_all(struct.pack(">I", 5) + b"\xc1junk")
+            with trio.fail_after(10):
+                try:
+                    while await tls.receive_some(4096):
+                        pass
+                except trio.BrokenResourceError:
+                    pass
+            return True
+
+        assert trio.run(poke)
+        assert "sent a malformed frame" in a.log_text()
+        assert (a.status() or {}).get("role") == "standalone"
+    finally:
+        a.stop()
