@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
         if name == "status":
             sp.add_argument("--json", action="store_true")
 
+    ring = sub.add_parser("ring", help="plan rings")
+    ring_sub = ring.add_subparsers(dest="ring_command", required=True)
+    solve = ring_sub.add_parser("solve", help="solve a described cabling (docs/ring.md) and print the ring")
+    solve.add_argument("graph", type=Path, help="GRAPH.json: {\"nodes\": [...], \"links\": [...]}")
+    solve.add_argument("--json", action="store_true")
+
     key = sub.add_parser("key", help="show or install the cluster key")
     key_sub = key.add_subparsers(dest="key_command", required=True)
     show = key_sub.add_parser("show", help="print the cluster key (install it on another Mac with `key set`)")
@@ -65,7 +71,37 @@ def main(argv: list[str] | None = None) -> int:
         return _agent(args)
     if args.command in ("status", "leave"):
         return _ask(args)
+    if args.command == "ring":
+        return _ring_solve(args)
     return _key(args)
+
+
+def _ring_solve(args: argparse.Namespace) -> int:
+    from p2pmesh.core.ring import RingError, parse_graph, solve
+
+    try:
+        data = json.loads(args.graph.read_text(encoding="utf-8"))
+    except OSError as exc:
+        print(f"p2pmesh: cannot read {args.graph}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as exc:
+        print(f"p2pmesh: {args.graph} is not JSON: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        ring = solve(*parse_graph(data))
+    except RingError as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    out = ring.to_json()
+    if args.json:
+        print(json.dumps(out))
+        return EXIT_OK
+    print(" -> ".join([*out["ring"], out["ring"][0]]))  # type: ignore[list-item]
+    for h in ring.hops:
+        mark = "" if h.kind == "thunderbolt" else "   <- slow hop"
+        print(f"  {h.src} -> {h.dst}: {h.kind} {h.gbps:g} Gb/s, {h.rtt_ms:g} ms{mark}")
+    print(f"bottleneck {ring.bottleneck_gbps:g} Gb/s{'' if ring.exact else ' (best found; search budget reached)'}")
+    return EXIT_OK
 
 
 def _agent(args: argparse.Namespace) -> int:

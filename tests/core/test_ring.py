@@ -1,0 +1,178 @@
+"""The ring solver against brute force on generated cablings, plus the contract cases."""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+
+from p2pmesh.core.ring import DEFAULT_RTT_MS, KINDS, Link, RingError, parse_graph, solve
+
+
+def _brute(nodes: list[str], links: list[Link]) -> tuple[int, float, float] | None:
+    pair: dict[frozenset[str], tuple[int, float, float]] = {}
+    grouped: dict[frozenset[str], list[Link]] = {}
+    for l in links:
+        grouped.setdefault(frozenset((l.a, l.b)), []).append(l)
+    for p, g in grouped.items():
+        kind = min((l.kind for l in g), key=KINDS.index)
+        same = [l for l in g if l.kind == kind]
+        pair[p] = (0 if kind == "thunderbolt" else 1, sum(l.gbps for l in same),
+                   min(l.rtt_ms if l.rtt_ms is not None else DEFAULT_RTT_MS[l.kind] for l in same))
+    first, rest = sorted(nodes)[0], sorted(nodes)[1:]
+    best = None
+    for perm in itertools.permutations(rest):
+        cyc = [first, *perm]
+        hops = [pair.get(frozenset((cyc[i], cyc[(i + 1) % len(cyc)]))) for i in range(len(cyc))]
+        if any(h is None for h in hops):
+            continue
+        key = (sum(h[0] for h in hops), -min(h[1] for h in hops), round(sum(h[2] for h in hops), 9))  # type: ignore[index]
+        if best is None or key < best:
+            best = key
+    return best
+
+
+def _graph(rng: random.Random, n: int, shape: str) -> list[Link]:
+    nodes = [f"n{i}" for i in range(n)]
+    links: list[Link] = []
+
+    def add(a: str, b: str) -> None:
+        kind = rng.choice(KINDS) if shape == "mixed" else "thunderbolt"
+        links.append(Link(a, b, kind, float(rng.choice([10, 20, 40, 80])), rng.choice([None, rng.uniform(0.1, 2)])))
+
+    if shape in ("square", "ring"):
+        for i in range(n):
+            add(nodes[i], nodes[(i + 1) % n])
+    elif shape in ("mesh", "mixed"):
+        for a, b in itertools.combinations(nodes, 2):
+            if shape == "mesh" or rng.random() < 0.6:
+                add(a, b)
+    elif shape == "line":
+        for i in range(n - 1):
+            add(nodes[i], nodes[i + 1])
+    elif shape == "star":
+        for i in range(1, n):
+            add(nodes[0], nodes[i])
+    elif shape == "multi":
+        for i in range(n):
+            add(nodes[i], nodes[(i + 1) % n])
+            if rng.random() < 0.5:
+                add(nodes[i], nodes[(i + 1) % n])  # a second cable between the same pair
+        for _ in range(n):
+            a, b = rng.sample(nodes, 2)
+            add(a, b)
+    return links
+
+
+@pytest.mark.parametrize("shape", ["square", "ring", "mesh", "mixed", "line", "star", "multi"])
+def test_solver_matches_brute_force(shape: str) -> None:
+    rng = random.Random(shape)
+    for trial in range(40):
+        n = rng.randint(3, 7)
+        links = _graph(rng, n, shape)
+        nodes = [f"n{i}" for i in range(n)]
+        expected = _brute(nodes, links)
+        if expected is None:
+            with pytest.raises(RingError):
+                solve(nodes, links)
+            continue
+        ring = solve(nodes, links)
+        assert ring.exact
+        got = (len(ring.slow_hops), -ring.bottleneck_gbps, round(ring.latency_ms, 9))
+        assert got == expected, (shape, trial, links)
+        assert sorted(ring.order) == sorted(nodes) and ring.order[0] == min(nodes)
+
+
+def test_same_graph_gives_the_same_ring_whatever_the_link_order() -> None:
+    rng = random.Random(5)
+    links = _graph(rng, 8, "mesh")
+    nodes = [f"n{i}" for i in range(8)]
+    first = solve(nodes, links)
+    for _ in range(5):
+        shuffled = links[:]
+        rng.shuffle(shuffled)
+        assert solve(list(reversed(nodes)), shuffled) == first
+
+
+def test_a_full_thunderbolt_ring_is_preferred_and_slow_hops_are_named() -> None:
+    nodes, links = parse_graph({
+        "nodes": ["a", "b", "c", "d"],
+        "links": [
+            {"a": "a", "b": "b", "kind": "thunderbolt", "gbps": 40},
+            {"a": "b", "b": "c", "kind": "thunderbolt", "gbps": 40},
+            {"a": "c", "b": "d", "kind": "thunderbolt", "gbps": 40},
+            {"a": "d", "b": "a", "kind": "wifi", "gbps": 1},
+            {"a": "a", "b": "c", "kind": "ethernet", "gbps": 10},
+        ],
+    })
+    ring = solve(nodes, links)
+    out = ring.to_json()
+    assert out["bottleneck_gbps"] == 1.0
+    assert out["ring"] == ["a", "b", "c", "d"]  # the only cycle through all four
+    assert [(h["from"], h["to"], h["kind"]) for h in out["slow_hops"]] == [("d", "a", "wifi")]
+    assert set(out) >= {"ring", "hops", "slow_hops", "bottleneck_gbps"}
+
+
+def test_two_cables_between_a_pair_count_together() -> None:
+    nodes, links = parse_graph({"nodes": ["a", "b"], "links": [
+        {"a": "a", "b": "b", "kind": "thunderbolt", "gbps": 40},
+        {"a": "b", "b": "a", "kind": "thunderbolt", "gbps": 40},
+    ]})
+    assert solve(nodes, links).bottleneck_gbps == 80.0
+
+
+@pytest.mark.parametrize(
+    "graph, fragment",
+    [
+        ({"nodes": ["a", "b", "c"], "links": [{"a": "a", "b": "b", "kind": "thunderbolt", "gbps": 40}]}, "'c' has no link"),
+        ({"nodes": ["a", "b", "c"], "links": [{"a": "a", "b": "b", "kind": "thunderbolt", "gbps": 40},
+                                             {"a": "b", "b": "c", "kind": "thunderbolt", "gbps": 40}]}, "only one other node"),
+        ({"nodes": "abc"}, "list of non-empty strings"),
+        ({"nodes": ["a", "b"], "links": [{"a": "a", "b": "z", "kind": "thunderbolt", "gbps": 40}]}, "not both in"),
+        ({"nodes": ["a", "b"], "links": [{"a": "a", "b": "b", "kind": "carrier-pigeon", "gbps": 1}]}, "kind"),
+        ({"nodes": ["a", "b"], "links": [{"a": "a", "b": "b", "kind": "wifi", "gbps": -1}]}, "positive"),
+    ],
+)
+def test_impossible_or_malformed_graphs_name_the_problem(graph: dict, fragment: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(RingError, match=fragment):
+        nodes, links = parse_graph(graph)
+        solve(nodes, links)
+
+
+def test_sixteen_sparse_nodes_solve_exactly_and_fast() -> None:
+    rng = random.Random(16)
+    nodes = [f"m{i:02d}" for i in range(16)]
+    links = [Link(nodes[i], nodes[(i + 1) % 16], "thunderbolt", 40.0, rng.uniform(0.1, 0.5)) for i in range(16)]
+    for _ in range(24):
+        a, b = rng.sample(nodes, 2)
+        links.append(Link(a, b, rng.choice(KINDS), float(rng.choice([10, 40, 80])), rng.uniform(0.1, 1)))
+    ring = solve(nodes, links)
+    assert ring.exact and not ring.slow_hops and len(ring.order) == 16
+
+
+def test_the_cli_solves_and_refuses_with_clear_exit_codes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    good = tmp_path / "g.json"
+    good.write_text(json.dumps({"nodes": ["a", "b", "c"], "links": [
+        {"a": "a", "b": "b", "kind": "thunderbolt", "gbps": 40},
+        {"a": "b", "b": "c", "kind": "thunderbolt", "gbps": 40},
+        {"a": "c", "b": "a", "kind": "wifi", "gbps": 1, "rtt_ms": 4},
+    ]}))
+    r = subprocess.run([sys.executable, "-m", "p2pmesh", "ring", "solve", str(good), "--json"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ring"] == ["a", "b", "c"] and out["bottleneck_gbps"] == 1.0 and len(out["slow_hops"]) == 1
+    lonely = tmp_path / "l.json"
+    lonely.write_text(json.dumps({"nodes": ["a", "b", "z"], "links": [{"a": "a", "b": "b", "kind": "wifi", "gbps": 1}]}))
+    r = subprocess.run([sys.executable, "-m", "p2pmesh", "ring", "solve", str(lonely), "--json"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "'z'" in r.stderr
+    bad = tmp_path / "b.json"
+    bad.write_text("{not json")
+    r = subprocess.run([sys.executable, "-m", "p2pmesh", "ring", "solve", str(bad)], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not JSON" in r.stderr
