@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     solve.add_argument("graph", type=Path, help="GRAPH.json: {\"nodes\": [...], \"links\": [...]}")
     solve.add_argument("--json", action="store_true")
 
+    from p2pmesh import links_cmd
+
+    links_cmd.add_parser(sub)
+
     key = sub.add_parser("key", help="show or install the cluster key")
     key_sub = key.add_subparsers(dest="key_command", required=True)
     show = key_sub.add_parser("show", help="print the cluster key (install it on another Mac with `key set`)")
@@ -73,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         return _ask(args)
     if args.command == "ring":
         return _ring_solve(args)
+    if args.command == "links":
+        from p2pmesh import links_cmd
+
+        return links_cmd.run(args)
     return _key(args)
 
 
