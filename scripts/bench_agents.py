@@ -61,23 +61,12 @@ def wait(pred, what: str) -> float:  # type: ignore[no-untyped-def]
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def make(bench: Bench, root: Path, key: Path, tag: str) -> list[AgentProc]:
-    out = []
-    for i in range(len(bench.hosts)):
-        state = root / f"{tag}{i}"
-        state.mkdir()
-        out.append(AgentProc(state, "", key_file=key, extra=[], prefix=bench.exec_prefix(i), listens=[":7741"]))
-    return out
-
-
 def round_formation_failover(root: Path, key: Path, r: int) -> tuple[float, float, float, float]:
     bench = Bench.create(5)
     agents: list[AgentProc] = []
     try:
-        for i in range(5):
-            for j in range(i + 1, 5):
-                bench.plug(i, j)
-        agents = make(bench, root, key, f"f{r}-")
+        bench.plug_full_mesh()
+        agents = bench.agents(root, key, f"f{r}-")
         t0 = time.monotonic()
         for a in agents:
             a.start()
@@ -117,7 +106,7 @@ def round_merge(root: Path, key: Path, r: int) -> float:
     try:
         bench.plug(0, 1)
         bench.plug(2, 3)
-        agents = make(bench, root, key, f"m{r}-")
+        agents = bench.agents(root, key, f"m{r}-")
         for a in agents:
             a.start()
         wait(lambda: one_cluster(agents[:2], 2) and one_cluster(agents[2:], 2), "two clusters")

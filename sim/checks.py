@@ -82,12 +82,6 @@ class Checker:
         if voted is not None and (r.vote is None or r.vote.node_id != voted):
             self.fail("vote-durable", f"{node.name} rebooted in term {r.term} with vote {r.vote} after voting for {voted}")
 
-    def on_crash(self, node: SimNode) -> None:
-        pass
-
-    def on_wipe(self, node: SimNode) -> None:
-        pass  # SimDisk.retired keeps the lost image for the durability check
-
     def after_handle(self, node: SimNode, ready: Ready) -> None:
         m = node.machine
         assert m is not None

@@ -187,7 +187,7 @@ class Scenario:
     # ------------------------------------------------------------------------------
     # Faults
 
-    def _pick(self, *, members_only: bool = True) -> SimNode | None:
+    def _pick(self) -> SimNode | None:
         w = self.world
         live = [n for n in w.live_nodes() if not n.paused]
         if not live:

@@ -145,13 +145,11 @@ class World:
         node.gen += 1
         node.deferred = []
         self._log(node, "crash", "lose-unsynced" if lose else "")
-        self.checker.on_crash(node)
 
     def wipe(self, node: SimNode) -> None:
         """Lose a stopped node's whole disk (its identity key survives, as on a Mac whose
         state directory was deleted)."""
         assert not node.alive
-        self.checker.on_wipe(node)
         node.disk.wipe()
         self._log(node, "wipe", "")
 

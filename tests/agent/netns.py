@@ -10,8 +10,11 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+
+from tests.agent.harness import AgentProc
 
 IP_TIMEOUT_S = 10
 
@@ -100,6 +103,23 @@ class Bench:
 
     def exec_prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.hosts[i]]
+
+    def plug_full_mesh(self) -> None:
+        """A cable between every pair of hosts."""
+        for i in range(len(self.hosts)):
+            for j in range(i + 1, len(self.hosts)):
+                self.plug(i, j)
+
+    def agents(self, root: Path, key: Path, tag: str = "n") -> list[AgentProc]:
+        """One (not yet started) agent per host, state under ``root``. ":7741" binds every
+        address inside the host's own namespace (its cables only), so links plugged later
+        are served without a restart."""
+        out = []
+        for i in range(len(self.hosts)):
+            state = root / f"{tag}{i}"
+            state.mkdir(exist_ok=True)
+            out.append(AgentProc(state, "", key_file=key, extra=[], prefix=self.exec_prefix(i), listens=[":7741"]))
+        return out
 
     def close(self) -> None:
         for name in self.hosts:

@@ -38,19 +38,8 @@ def mesh(tmp_path: Path):  # type: ignore[no-untyped-def]
     bench = Bench.create(3)
     agents: list[AgentProc] = []
     try:
-        for i in range(3):
-            for j in range(i + 1, 3):
-                bench.plug(i, j)
-        from p2pmesh.drivers.keys import write_key
-
-        key = tmp_path / "key"
-        write_key(key, bytes(range(32)))
-        for i in range(3):
-            state = tmp_path / f"h{i}"
-            state.mkdir()
-            a = AgentProc(state, "", key_file=key, extra=[], prefix=bench.exec_prefix(i),
-                          listens=[f"{addr}:7741" for addr in bench.addresses(i)])
-            agents.append(a)
+        bench.plug_full_mesh()
+        agents = bench.agents(tmp_path, _key(tmp_path), tag="h")
         yield bench, agents
     finally:
         for a in agents:
@@ -83,17 +72,6 @@ def test_an_independent_zeroconf_browser_sees_the_agent(mesh) -> None:  # type: 
     assert any(t.get("id") == node_id and t.get("pv") == "1" and len(t.get("cid", "")) == 16 for t in txts), found
 
 
-def _agents(bench: Bench, tmp_path: Path, key: Path) -> list[AgentProc]:
-    agents = []
-    for i in range(len(bench.hosts)):
-        state = tmp_path / f"n{i}"
-        state.mkdir(exist_ok=True)
-        # ":7741" binds every address *inside the host's own namespace* (its cables only),
-        # so links plugged later are served without a restart.
-        agents.append(AgentProc(state, "", key_file=key, extra=[], prefix=bench.exec_prefix(i), listens=[":7741"]))
-    return agents
-
-
 def _key(tmp_path: Path) -> Path:
     from p2pmesh.drivers.keys import write_key
 
@@ -107,10 +85,8 @@ def test_five_hosts_started_at_once_form_exactly_one_cluster(tmp_path: Path) -> 
     bench = Bench.create(5)
     agents: list[AgentProc] = []
     try:
-        for i in range(5):
-            for j in range(i + 1, 5):
-                bench.plug(i, j)
-        agents = _agents(bench, tmp_path, _key(tmp_path))
+        bench.plug_full_mesh()
+        agents = bench.agents(tmp_path, _key(tmp_path))
         for a in agents:
             a.start()
         status = wait_for(lambda: one_cluster(agents, 5), FORM_TIMEOUT_S, "one cluster of 5 over mDNS")
@@ -129,7 +105,7 @@ def test_two_clusters_merge_when_cables_join_them(tmp_path: Path) -> None:
         bench.plug(0, 1)
         bench.plug(2, 3)
         key = _key(tmp_path)
-        agents = _agents(bench, tmp_path, key)
+        agents = bench.agents(tmp_path, key)
         for a in agents:
             a.start()
         left = wait_for(lambda: one_cluster(agents[:2], 2), FORM_TIMEOUT_S, "cluster A of 2")
@@ -182,7 +158,7 @@ def test_ipv6_link_local_only_cables_work(tmp_path: Path) -> None:
         for i in range(3):
             for j in range(i + 1, 3):
                 bench.plug(i, j, ipv4=False)
-        agents = _agents(bench, tmp_path, _key(tmp_path))
+        agents = bench.agents(tmp_path, _key(tmp_path))
         for a in agents:
             a.start()
         status = wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3 over IPv6 link-local")
