@@ -24,6 +24,7 @@ from p2pmesh.core.messages import (
     Noop,
     Peer,
     Promote,
+    PublishPorts,
     Put,
     RemoveMember,
     SetRing,
@@ -83,12 +84,16 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
         return replace(state, members=_sorted(others + (member,)))
     if isinstance(cmd, RemoveMember):
         members = tuple(m for m in state.members if not (m.node_id == cmd.node_id and m.inc == cmd.inc))
+        # The ring keeps its epoch and order minus the node; the leader proposes a new one.
         ring = tuple(n for n in state.ring if n != cmd.node_id)
-        return replace(state, members=members, ring=ring)
-    if isinstance(cmd, (Promote, MarkDown, MarkUp, UpdateMember)):
+        hops = tuple(h for h in state.ring_hops if cmd.node_id not in (h.src, h.dst))
+        return replace(state, members=members, ring=ring, ring_hops=hops)
+    if isinstance(cmd, (Promote, MarkDown, MarkUp, UpdateMember, PublishPorts)):
         return replace(state, members=tuple(_update_member(m, cmd) for m in state.members))
     if isinstance(cmd, SetRing):
-        return replace(state, ring_epoch=cmd.epoch, ring=cmd.order)
+        if cmd.epoch <= state.ring_epoch:
+            return state  # a stale proposal from an earlier leader
+        return replace(state, ring_epoch=cmd.epoch, ring=cmd.order, ring_hops=cmd.hops)
     if isinstance(cmd, Put):
         kv = dict(state.kv)
         if cmd.key in kv or len(kv) < KV_KEYS_MAX:
@@ -97,7 +102,7 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
     raise AssertionError(f"unknown command {cmd!r}")
 
 
-def _update_member(m: Member, cmd: Promote | MarkDown | MarkUp | UpdateMember) -> Member:
+def _update_member(m: Member, cmd: Promote | MarkDown | MarkUp | UpdateMember | PublishPorts) -> Member:
     if m.node_id != cmd.node_id or m.inc != cmd.inc:
         return m
     if isinstance(cmd, Promote):
@@ -106,6 +111,8 @@ def _update_member(m: Member, cmd: Promote | MarkDown | MarkUp | UpdateMember) -
         return replace(m, up=False)
     if isinstance(cmd, MarkUp):
         return replace(m, up=True)
+    if isinstance(cmd, PublishPorts):
+        return replace(m, ports=cmd.ports, probes=cmd.probes)
     return replace(m, addresses=cmd.addresses, caps=cmd.caps)
 
 

@@ -30,6 +30,62 @@ class Capabilities:
     chip: str
 
 
+@register(5)
+@dataclass(frozen=True, slots=True)
+class PortInfo:
+    """One network port of a Mac as its agent last saw it (published into the cluster
+    state so the leader can pair the two ends of every cable; see core/physical.py)."""
+
+    interface: str
+    """The OS interface name: "en2" on macOS, "thunderbolt0" or a bench veth on Linux."""
+    kind: str
+    """thunderbolt, ethernet or wifi."""
+    domain_uuid: str | None
+    """This Mac's Thunderbolt domain UUID on that port's bus (None for other kinds)."""
+    peer_domain_uuid: str | None
+    """The directly cabled Mac's domain UUID (None when nothing, or a dock, is cabled)."""
+    up: bool
+    """Carrier present."""
+    gbps: float | None
+    """Nominal link speed."""
+    ipv4: tuple[str, ...]
+    """IPv4 interface addresses with prefix, "169.254.10.1/30"."""
+    rdma: bool
+    """An RDMA device (rdma_enX) exists for this port (JACCL usable)."""
+
+
+@register(6)
+@dataclass(frozen=True, slots=True)
+class LinkProbe:
+    """What a bounded active probe measured over one of this node's ports to a peer."""
+
+    interface: str
+    peer: NodeId
+    rtt_ms: float
+    gbps: float
+
+
+@register(7)
+@dataclass(frozen=True, slots=True)
+class RingHop:
+    """One hop of the committed ring: from ``src`` to the next node ``dst``, over which
+    link, with the IPv4 addresses each end has on it (None when it has none yet; see
+    `p2pmesh links plan`)."""
+
+    src: NodeId
+    dst: NodeId
+    kind: str
+    gbps: float
+    rtt_ms: float | None
+    """Measured round trip, when a probe has measured this link."""
+    src_interface: str | None
+    dst_interface: str | None
+    src_ipv4: str | None
+    dst_ipv4: str | None
+    rdma: bool
+    """Both ends have an RDMA device on this link."""
+
+
 @register(2)
 @dataclass(frozen=True, slots=True)
 class Member:
@@ -41,6 +97,8 @@ class Member:
     up: bool
     addresses: tuple[str, ...]
     caps: Capabilities
+    ports: tuple[PortInfo, ...] = ()
+    probes: tuple[LinkProbe, ...] = ()
 
 
 @register(3)
@@ -121,10 +179,11 @@ class UpdateMember:
 @register(17)
 @dataclass(frozen=True, slots=True)
 class SetRing:
-    """The ring the data plane uses, with its epoch (filled by the ring issue)."""
+    """The ring the data plane uses, with its epoch (proposed by the leader, core/physical.py)."""
 
     epoch: int
     order: tuple[NodeId, ...]
+    hops: tuple[RingHop, ...] = ()
 
 
 @register(18)
@@ -136,7 +195,18 @@ class Put:
     value: str
 
 
-Command = Noop | AddLearner | Promote | RemoveMember | MarkDown | MarkUp | UpdateMember | SetRing | Put
+@register(19)
+@dataclass(frozen=True, slots=True)
+class PublishPorts:
+    """A member's current ports and latest probe results (sent when they change)."""
+
+    node_id: NodeId
+    inc: int
+    ports: tuple[PortInfo, ...]
+    probes: tuple[LinkProbe, ...]
+
+
+Command = Noop | AddLearner | Promote | RemoveMember | MarkDown | MarkUp | UpdateMember | SetRing | Put | PublishPorts
 CONFIG_COMMANDS = (AddLearner, Promote, RemoveMember)
 
 
@@ -158,6 +228,7 @@ class ClusterState:
     ring_epoch: int
     ring: tuple[NodeId, ...]
     kv: tuple[tuple[str, str], ...]
+    ring_hops: tuple[RingHop, ...] = ()
 
 
 @register(22)

@@ -15,7 +15,10 @@ from p2pmesh.core.messages import (
     Hello,
     InstallSnapshot,
     JoinRequest,
+    LinkProbe,
     Message,
+    PortInfo,
+    PublishPorts,
     ReadIndexResponse,
     RemovalNotice,
     Snapshot,
@@ -90,4 +93,29 @@ def command_problem(cmd: object) -> str | None:
 
     if isinstance(cmd, Put) and (len(cmd.key) > 256 or len(cmd.value) > STR_LEN_MAX):
         return f"a value may hold at most {STR_LEN_MAX} characters and a key 256"
+    if isinstance(cmd, PublishPorts):
+        return ports_problem(cmd.ports, cmd.probes)
+    return None
+
+
+PORTS_MAX = 32
+PROBES_MAX = 64
+PORT_KINDS = ("thunderbolt", "ethernet", "wifi")
+
+
+def ports_problem(ports: tuple[PortInfo, ...], probes: tuple[LinkProbe, ...]) -> str | None:
+    """Why a node's published ports cannot be accepted (they are bounded, and every number
+    must be usable by the ring solver)."""
+    if len(ports) > PORTS_MAX or len(probes) > PROBES_MAX:
+        return f"at most {PORTS_MAX} ports and {PROBES_MAX} probe results"
+    for port in ports:
+        if port.kind not in PORT_KINDS:
+            return f"port {port.interface!r} has unknown kind {port.kind!r}"
+        if port.gbps is not None and not (0 < port.gbps < 1e6):
+            return f"port {port.interface!r} has an impossible speed"
+        if len(port.ipv4) > 16:
+            return f"port {port.interface!r} has too many addresses"
+    for probe in probes:
+        if not (0 <= probe.rtt_ms < 1e6 and 0 <= probe.gbps < 1e6):
+            return f"probe over {probe.interface!r} has impossible numbers"
     return None

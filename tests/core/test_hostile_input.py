@@ -47,6 +47,8 @@ def _strategy(hint: Any, depth: int = 0) -> st.SearchStrategy[Any]:
         return _ints
     if hint is bool:
         return st.booleans()
+    if hint is float:
+        return st.floats(allow_nan=True, allow_infinity=True)
     if hint is str:
         return _strs
     if hint is bytes:

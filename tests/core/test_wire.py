@@ -19,6 +19,10 @@ from p2pmesh.core import wire
 from p2pmesh.core.errors import LocalProtocolError, RemoteProtocolError
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.messages import (
+    LinkProbe,
+    PortInfo,
+    PublishPorts,
+    RingHop,
     AddLearner,
     AppendEntries,
     AppendResponse,
@@ -66,7 +70,10 @@ CAPS = Capabilities(64 * 2**30, "M4 Max")
 HDR = Header(CL, A, 7, B, 2**63 - 1, 42)
 PEER_A = Peer(A, 7)
 PEER_B = Peer(B, 9)
-MEMBER = Member(A, 7, True, False, ("10.0.0.1", "fe80::1%en5"), CAPS)
+PORT = PortInfo("en2", "thunderbolt", "D-A", "D-B", True, 40.0, ("169.254.3.1/30",), False)
+PROBE = LinkProbe("en2", B, 0.31, 9.5)
+HOP = RingHop(A, B, "thunderbolt", 40.0, 0.31, "en2", "en5", "169.254.3.1", "169.254.3.2", True)
+MEMBER = Member(A, 7, True, False, ("10.0.0.1", "fe80::1%en5"), CAPS, (PORT,), (PROBE,))
 STATE = ClusterState(CL, (MEMBER, Member(B, 9, False, True, (), Capabilities(0, ""))), 3, (A, B), (("k", "v"), ("", "")))
 SNAP = Snapshot(10, 3, Config((PEER_A,), (PEER_B,)), STATE)
 ENTRIES = (
@@ -88,7 +95,11 @@ EXAMPLES: dict[type, list[Any]] = {
     MarkDown: [MarkDown(A, 5)],
     MarkUp: [MarkUp(B, 6)],
     UpdateMember: [UpdateMember(A, 1, ("10.0.0.2",), Capabilities(1, "M2 Max"))],
-    SetRing: [SetRing(0, ()), SetRing(4, (A, B))],
+    SetRing: [SetRing(0, ()), SetRing(4, (A, B), (HOP, RingHop(B, A, "wifi", 0.5, None, None, None, None, None, False)))],
+    PortInfo: [PORT, PortInfo("wlan0", "wifi", None, None, False, None, (), False)],
+    LinkProbe: [PROBE],
+    RingHop: [HOP],
+    PublishPorts: [PublishPorts(A, 7, (PORT,), (PROBE,)), PublishPorts(B, 1, (), ())],
     Put: [Put("k", "v"), Put("", "")],
     Entry: list(ENTRIES),
     ClusterState: [STATE, ClusterState(CL, (), 0, (), ())],
@@ -209,6 +220,8 @@ def _strategy_for(hint: Any) -> st.SearchStrategy[Any]:
         return st.integers(min_value=wire.INT_MIN, max_value=wire.INT_MAX)
     if hint is str:
         return _TEXT
+    if hint is float:
+        return st.floats(allow_nan=False)  # NaN != NaN would fail the equality check
     if hint is type(None):
         return st.none()
     origin = typing.get_origin(hint)
