@@ -2,6 +2,7 @@
 
   python -m sim run --seed S --nodes N --duration-s T [--faults F,...] [--trace FILE] [--plant NAME]
   python -m sim sweep --seeds A-B --nodes N --duration-s T [--faults all] [--plant NAME] [--workers K]
+  python -m sim rings --seeds A-B [--nodes N]
   python -m sim plants
   python -m sim demo
 
@@ -67,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--faults", type=_faults, default=())
         sp.add_argument("--plant", choices=sorted(PLANTS), default=None)
     run.add_argument("--trace", default=None, help="write the event trace to FILE")
+    rings = sub.add_parser("rings", help="ring scenarios on virtual cabling (does the ring follow the cables?)")
+    rings.add_argument("--seeds", type=_seed_range, required=True, help="A-B (inclusive)")
+    rings.add_argument("--nodes", type=_nodes, default=4)
     sub.add_parser("plants", help="list the planted bugs")
     demo = sub.add_parser("demo", help="a narrated 5-node cluster")
     demo.add_argument("--seed", type=int, default=7)
@@ -85,7 +89,36 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(args.seed)
     if args.command == "run":
         return _run(args)
+    if args.command == "rings":
+        return _rings(args)
     return _sweep(args)
+
+
+def _rings(args: argparse.Namespace) -> int:
+    from sim.ring_scenario import run_ring_seed
+
+    started = time.perf_counter()
+    failures = changes = 0
+    cable: list[float] = []
+    member: list[float] = []
+    for seed in args.seeds:
+        r = run_ring_seed(seed, nodes=args.nodes)
+        changes += r.changes
+        cable += r.cable_settle_ms
+        member += r.member_settle_ms
+        if r.violation:
+            failures += 1
+            print(f"seed {seed}: violated {r.violation}: {r.detail} (replay: python -m sim rings --seeds {seed} --nodes {args.nodes})")
+    summary = {
+        "seeds": len(args.seeds),
+        "failures": failures,
+        "changes": changes,
+        "wall_s": round(time.perf_counter() - started, 3),
+        "cable_to_ring_ms": {"p50": _pct(cable, 0.5), "p99": _pct(cable, 0.99), "max": _pct(cable, 1.0), "count": len(cable)},
+        "member_to_ring_ms": {"p50": _pct(member, 0.5), "p99": _pct(member, 0.99), "max": _pct(member, 1.0), "count": len(member)},
+    }
+    print(json.dumps(summary), flush=True)
+    return 1 if failures else 0
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from p2pmesh.core.machine import (
     Machine,
     Mode,
     PeerDiscovered,
+    PortsObserved,
     ProposalRequested,
     ReadRequested,
     Ready,
@@ -32,6 +33,7 @@ from p2pmesh.core.machine import (
 from p2pmesh.core.messages import Capabilities, Put
 from p2pmesh.core.raft import Role
 from p2pmesh.core.settings import Settings
+from sim.cabling import Cabling, SimCable
 from sim.checks import Checker
 from sim.disk import SimDisk
 from sim.network import LinkProfile, Network
@@ -89,6 +91,7 @@ class World:
         self.checker = checker or Checker(self)
         self.observers: list[Callable[[SimNode, Ready], None]] = []
         self.lose_unsynced_on_crash = False
+        self.cabling = Cabling()
         for _ in range(nodes):
             self.add_node(boot=False)
 
@@ -129,10 +132,29 @@ class World:
         self.checker.on_boot(node)
         self._log(node, "boot", f"inc={machine.inc}")
         self._process_ready(node, ready)
+        if any(node.index in (c.a, c.b) for c in self.cabling.cables):
+            self.call(node, PortsObserved(self.cabling.ports_of(node.index)))
         for other in self.nodes:
             if other is not node and other.alive and not other.left:
                 self.call(node, PeerDiscovered(other.node_id, (f"10.0.0.{other.index + 1}",)))
                 self.call(other, PeerDiscovered(node.node_id, (f"10.0.0.{node.index + 1}",)))
+
+    def plug(self, a: SimNode, b: SimNode) -> SimCable:
+        """Cable two Macs with Thunderbolt; both link watchers notice at once."""
+        cable = self.cabling.plug(a.index, b.index)
+        self._log(a, "cable plugged", b.name)
+        self._ports_changed(a, b)
+        return cable
+
+    def unplug(self, cable: SimCable) -> None:
+        self.cabling.unplug(cable)
+        a, b = self.nodes[cable.a], self.nodes[cable.b]
+        self._log(a, "cable pulled", b.name)
+        self._ports_changed(a, b)
+
+    def _ports_changed(self, *nodes: SimNode) -> None:
+        for node in nodes:
+            self.call(node, PortsObserved(self.cabling.ports_of(node.index)))
 
     def crash(self, node: SimNode, *, lose_unsynced: bool | None = None) -> None:
         if not node.alive:

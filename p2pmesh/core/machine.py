@@ -30,7 +30,7 @@ import enum
 import random
 from dataclasses import dataclass, field
 
-from p2pmesh.core.cluster import empty_state
+from p2pmesh.core.cluster import empty_state, find_member
 from p2pmesh.core.errors import RemoteProtocolError
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.log import RaftLog
@@ -45,19 +45,22 @@ from p2pmesh.core.messages import (
     Hello,
     JoinReply,
     JoinRequest,
+    LinkProbe,
     MarkDown,
     MarkUp,
     MESSAGE_TYPES,
     Message,
     Peer,
+    PortInfo,
     Promote,
+    PublishPorts,
     RemovalNotice,
     RemoveMember,
     Snapshot,
 )
 from p2pmesh.core.raft import HardState, Raft, RaftOutput, Role
 from p2pmesh.core.settings import Settings
-from p2pmesh.core import validate, wire
+from p2pmesh.core import physical, validate, wire
 
 INC_MAX = 2**63 - 1
 _EVENT_NAMES = {
@@ -118,7 +121,32 @@ class LeaveRequested:
     pass
 
 
-Input = FrameReceived | PeerDiscovered | PeerVanished | TimerFired | ProposalRequested | ReadRequested | LeaveRequested
+@dataclass(frozen=True, slots=True)
+class PortsObserved:
+    """The driver's link watcher saw this node's ports change (cable plugged or pulled,
+    address added)."""
+
+    ports: tuple[PortInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ProbesMeasured:
+    """Fresh results of the bounded link probes to cabled peers."""
+
+    probes: tuple[LinkProbe, ...]
+
+
+Input = (
+    FrameReceived
+    | PeerDiscovered
+    | PeerVanished
+    | TimerFired
+    | ProposalRequested
+    | ReadRequested
+    | LeaveRequested
+    | PortsObserved
+    | ProbesMeasured
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -241,6 +269,12 @@ class Machine:
         self.ready = Ready()
         self._last_leader: NodeId | None = None
         self._inflight: dict[tuple[str, str], int] = {}
+        self.ports: tuple[PortInfo, ...] = ()
+        self.probes: tuple[LinkProbe, ...] = ()
+        self._ports_sent_ms = -(10**9)
+        self._ring_checked_at: tuple[int, int] = (-1, -1)
+        """(term, applied index) at which the leader last compared the ring (solving is
+        the costliest pure step, so it runs once per state change, not per input)."""
 
     # ------------------------------------------------------------------------------
     # Construction
@@ -355,6 +389,10 @@ class Machine:
                 self.ready.reads.append((event.ctx, False))
             else:
                 self.raft.read(event.ctx, now_ms)
+        elif isinstance(event, PortsObserved):
+            self.ports = event.ports
+        elif isinstance(event, ProbesMeasured):
+            self.probes = event.probes
         elif isinstance(event, LeaveRequested):
             if not self.leaving:
                 self.leaving = True
@@ -652,6 +690,7 @@ class Machine:
     def _leader_duties(self, now_ms: int) -> None:
         r = self.raft
         assert r is not None and r.role is Role.LEADER
+        self._negotiate_ring(now_ms)
         if not r.config_change_allowed() or r.transfer_to is not None:
             self._detect(now_ms, config_ok=False)
             return
@@ -681,6 +720,33 @@ class Machine:
             elif config_ok and not member.up and silent_ms >= s.remove_after_ms and self._removal_keeps_quorum(member.node_id):
                 if self._propose_once(RemoveMember(member.node_id, member.inc, "unreachable"), now_ms):
                     config_ok = False
+
+    def _negotiate_ring(self, now_ms: int) -> None:
+        """Propose a new ring epoch when members, cables or addresses changed (leader only)."""
+        r = self.raft
+        assert r is not None
+        if r.transfer_to is not None or (r.term, r.applied) == self._ring_checked_at:
+            return
+        index = self._inflight.get(("SetRing", ""))
+        if index is not None and index > r.applied and r.log.last_index >= index:
+            return  # one ring change at a time: the next is computed from its result
+        self._ring_checked_at = (r.term, r.applied)
+        proposal = physical.negotiate(r.state)
+        if proposal is not None and not self._propose_once(proposal, now_ms):
+            self._ring_checked_at = (-1, -1)  # not accepted now (e.g. log full): retry
+
+    def _publish_ports(self, now_ms: int) -> None:
+        """Bring this member's committed ports and probe results up to date (any role)."""
+        r = self.raft
+        if r is None or self.mode is not Mode.MEMBER or self.leaving or r.leader is None:
+            return
+        mine = find_member(r.state, self.node_id)
+        if mine is None or mine.inc != self.inc or (mine.ports == self.ports and mine.probes == self.probes):
+            return
+        if now_ms - self._ports_sent_ms < self.settings.hello_ms:
+            return  # at most one update in flight per hello period
+        self._ports_sent_ms = now_ms
+        self._propose(PublishPorts(self.node_id, self.inc, self.ports, self.probes), now_ms)
 
     def _removal_keeps_quorum(self, node_id: NodeId) -> bool:
         r = self.raft
@@ -768,7 +834,9 @@ class Machine:
             if self._last_leader != self.node_id:
                 self.leader_since_ms = now_ms
                 self._inflight = {}
+                self._ring_checked_at = (-1, -1)
             self._leader_duties(now_ms)
+        self._publish_ports(now_ms)
         if self._healthy(now_ms):
             self.unhealthy_since_ms = None
         elif self.unhealthy_since_ms is None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from p2pmesh.core.cluster import apply_command
 from p2pmesh.core.ids import ClusterId, NodeId
+from p2pmesh.core import validate
 from p2pmesh.core.log import RaftLog
 from p2pmesh.core.messages import (
     CONFIG_COMMANDS,
@@ -452,7 +453,7 @@ class Raft:
         elif isinstance(m, ReadIndexResponse):
             self._on_read_response(m)
         elif isinstance(m, ForwardProposal):
-            if self.role is Role.LEADER:
+            if self.role is Role.LEADER and validate.forwarded_problem(m.command, src.node_id) is None:
                 self.propose(m.command, now_ms)
 
     def _in_lease(self, now_ms: int) -> bool:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("thunderbolt", "ethernet", "wifi")
-DEFAULT_RTT_MS = {"thunderbolt": 0.2, "ethernet": 0.5, "wifi": 3.0}
+KINDS = ("thunderbolt", "ethernet", "wifi", "network")
+"""Best first. "network" is an IP path with no known cable (core/physical.py's last resort)."""
+DEFAULT_RTT_MS = {"thunderbolt": 0.2, "ethernet": 0.5, "wifi": 3.0, "network": 5.0}
 EXPANSIONS_MAX = 200_000
 NODES_MAX = 64
 

@@ -19,7 +19,9 @@ from p2pmesh.core.messages import (
     Message,
     PortInfo,
     PublishPorts,
+    Put,
     ReadIndexResponse,
+    RemoveMember,
     RemovalNotice,
     Snapshot,
     VoteRequest,
@@ -88,7 +90,6 @@ def _snapshot(s: Snapshot, term: int) -> str | None:
 def command_problem(cmd: object) -> str | None:
     """Why a locally requested command cannot enter the log (it must be readable back
     from every follower's frames and disk)."""
-    from p2pmesh.core.messages import Put
     from p2pmesh.core.wire import STR_LEN_MAX
 
     if isinstance(cmd, Put) and (len(cmd.key) > 256 or len(cmd.value) > STR_LEN_MAX):
@@ -96,6 +97,20 @@ def command_problem(cmd: object) -> str | None:
     if isinstance(cmd, PublishPorts):
         return ports_problem(cmd.ports, cmd.probes)
     return None
+
+
+def forwarded_problem(cmd: object, sender: str) -> str | None:
+    """Why a leader must not propose a command a follower forwarded: it must pass the local
+    checks, and a member may only publish its own ports or leave by itself."""
+    why = command_problem(cmd)
+    if why is not None:
+        return why
+    if isinstance(cmd, Put):
+        return None
+    if isinstance(cmd, (PublishPorts, RemoveMember)):
+        return None if cmd.node_id == sender else "a member may only publish its own ports or remove itself"
+    # Membership, health and the ring are the leader's own decisions, never a follower's.
+    return f"{type(cmd).__name__} cannot be forwarded"
 
 
 PORTS_MAX = 32

@@ -537,7 +537,8 @@ def test_status_of_a_lone_node_that_formed_a_cluster() -> None:
     assert s.cluster is not None and s.cluster == m.cluster
     assert s.leader == node
     assert s.term >= 2
-    assert s.commit_index == s.applied_index == 3  # AddLearner, Promote, the leader's Noop
+    assert s.commit_index == s.applied_index == 4  # AddLearner, Promote, the leader's Noop, SetRing
+    assert m.raft is not None and m.raft.state.ring == (node,) and m.raft.state.ring_epoch == 1
     assert s.healthy is True
 
 

@@ -1,0 +1,220 @@
+"""The physical graph of the cluster and the ring the leader proposes from it.
+
+Every member publishes its ports (PortInfo) and its probe results (LinkProbe) into the
+committed state. From that state alone this module
+- pairs the two ends of every Thunderbolt cable by domain UUID: a port on Mac A whose peer
+  UUID is B's domain UUID on a port whose peer UUID is A's, both with carrier (a Mac
+  behind a dock never matches: the dock's UUID is not a Mac's port);
+- adds an Ethernet or Wi-Fi link between two members whose ports of that kind share an
+  IPv4 subnet;
+- adds a last-resort ``network`` link between members with no link at all (they reach each
+  other somehow: the control plane works), so a ring can always close, flagged slow;
+- solves the ring (core/ring.py) over the members that are up, and describes every hop
+  with the interfaces and IPv4 addresses the data plane will use.
+
+It is a pure function of the committed state, so every node derives the same graph; only
+the leader proposes, and only when the ring's *identity* (order, links and addresses)
+differs from the committed one. Measured RTTs are carried for display but never cause a new
+epoch: an epoch change restarts the data-plane workers, which noise must not do.
+"""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from p2pmesh.core.ids import NodeId
+from p2pmesh.core.messages import ClusterState, Member, PortInfo, RingHop, SetRing
+from p2pmesh.core.ring import Link, Ring, RingError, solve
+
+NETWORK_KIND = "network"
+"""A hop over whatever IP path the control plane uses (no known cable): the slowest kind."""
+NOMINAL_GBPS = {"thunderbolt": 40.0, "ethernet": 1.0, "wifi": 0.5, NETWORK_KIND: 0.1}
+"""Assumed speed when a port does not report one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cable:
+    """One physical link between two members, as both ends published it."""
+
+    a: NodeId
+    b: NodeId
+    kind: str
+    gbps: float
+    a_port: PortInfo | None
+    b_port: PortInfo | None
+    rtt_ms: float | None
+    measured_gbps: float | None
+
+    def end(self, node: NodeId) -> PortInfo | None:
+        return self.a_port if node == self.a else self.b_port
+
+
+def serving(state: ClusterState) -> list[Member]:
+    """The members the data plane runs on: every member that is up."""
+    return [m for m in state.members if m.up]
+
+
+def cables(state: ClusterState, members: list[Member] | None = None) -> list[Cable]:
+    """Every link between the given members (default: all), deterministic in order."""
+    members = sorted(members if members is not None else list(state.members), key=lambda m: m.node_id)
+    out = _thunderbolt_cables(members) + _lan_links(members)
+    linked = {frozenset((c.a, c.b)) for c in out}
+    for i, a in enumerate(members):
+        for b in members[i + 1 :]:
+            if frozenset((a.node_id, b.node_id)) not in linked:
+                out.append(Cable(a.node_id, b.node_id, NETWORK_KIND, NOMINAL_GBPS[NETWORK_KIND], None, None, None, None))
+    by_id = {m.node_id: m for m in members}
+    return [_with_probes(c, by_id) for c in out]
+
+
+def _thunderbolt_cables(members: list[Member]) -> list[Cable]:
+    ends: list[tuple[NodeId, PortInfo]] = [
+        (m.node_id, p)
+        for m in members
+        for p in sorted(m.ports, key=lambda p: p.interface)
+        if p.kind == "thunderbolt" and p.up and p.domain_uuid and p.peer_domain_uuid
+    ]
+    used: set[int] = set()
+    out = []
+    for i, (a, pa) in enumerate(ends):
+        if i in used:
+            continue
+        for j in range(i + 1, len(ends)):
+            b, pb = ends[j]
+            if j in used or b == a:
+                continue
+            if pa.peer_domain_uuid == pb.domain_uuid and pb.peer_domain_uuid == pa.domain_uuid:
+                used.update((i, j))
+                gbps = min(pa.gbps or NOMINAL_GBPS["thunderbolt"], pb.gbps or NOMINAL_GBPS["thunderbolt"])
+                out.append(Cable(a, b, "thunderbolt", gbps, pa, pb, None, None))
+                break
+    return out
+
+
+def _lan_links(members: list[Member]) -> list[Cable]:
+    out = []
+    for i, a in enumerate(members):
+        for b in members[i + 1 :]:
+            best: Cable | None = None
+            for pa in a.ports:
+                for pb in b.ports:
+                    if pa.kind == pb.kind and pa.kind in ("ethernet", "wifi") and pa.up and pb.up:
+                        if _common_subnet(pa.ipv4, pb.ipv4) is not None:
+                            gbps = min(pa.gbps or NOMINAL_GBPS[pa.kind], pb.gbps or NOMINAL_GBPS[pb.kind])
+                            c = Cable(a.node_id, b.node_id, pa.kind, gbps, pa, pb, None, None)
+                            if best is None or _lan_rank(c) < _lan_rank(best):
+                                best = c
+            if best is not None:
+                out.append(best)
+    return out
+
+
+def _lan_rank(c: Cable) -> tuple[int, float, str, str]:
+    assert c.a_port is not None and c.b_port is not None
+    return (0 if c.kind == "ethernet" else 1, -c.gbps, c.a_port.interface, c.b_port.interface)
+
+
+def _with_probes(c: Cable, by_id: dict[NodeId, Member]) -> Cable:
+    """Attach the probe results either end measured over this cable (the best of both)."""
+    rtts: list[float] = []
+    rates: list[float] = []
+    for node, other in ((c.a, c.b), (c.b, c.a)):
+        port = c.end(node)
+        for probe in by_id[node].probes:
+            if probe.peer == other and (port is None or probe.interface == port.interface):
+                rtts.append(probe.rtt_ms)
+                rates.append(probe.gbps)
+    if not rtts:
+        return c
+    return Cable(c.a, c.b, c.kind, c.gbps, c.a_port, c.b_port, min(rtts), max(rates))
+
+
+def _common_subnet(left: tuple[str, ...], right: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first pair of addresses (bare, no prefix) that share a subnet, if any."""
+    for x in left:
+        for y in right:
+            try:
+                ix, iy = ipaddress.IPv4Interface(x), ipaddress.IPv4Interface(y)
+            except ValueError:
+                continue  # a malformed address published by a buggy peer: just not usable
+            if ix.network == iy.network and ix.ip != iy.ip:
+                return str(ix.ip), str(iy.ip)
+    return None
+
+
+def graph_json(nodes: list[NodeId], links: list[Cable]) -> dict[str, object]:
+    """The graph in the `p2pmesh ring solve` format (docs/ring.md), for users and tests."""
+    return {
+        "nodes": list(nodes),
+        "links": [
+            {"a": c.a, "b": c.b, "kind": c.kind, "gbps": c.gbps, **({"rtt_ms": c.rtt_ms} if c.rtt_ms is not None else {})}
+            for c in links
+        ],
+    }
+
+
+def negotiate(state: ClusterState) -> SetRing | None:
+    """The ring the leader should propose now, or None when the committed one is right."""
+    members = serving(state)
+    if not members:
+        return None
+    links = cables(state, members)
+    nodes = [m.node_id for m in members]
+    try:
+        ring = solve(nodes, [Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in links])
+    except RingError:
+        return None  # cannot happen with network links; never propose nonsense
+    hops = _describe(ring, links, {m.node_id: m for m in members})
+    if ring.order == state.ring and _identity(hops) == _identity(state.ring_hops):
+        return None
+    return SetRing(state.ring_epoch + 1, tuple(NodeId(n) for n in ring.order), hops)
+
+
+def _identity(hops: tuple[RingHop, ...]) -> tuple[tuple[object, ...], ...]:
+    return tuple((h.src, h.dst, h.kind, h.src_interface, h.dst_interface, h.src_ipv4, h.dst_ipv4, h.rdma) for h in hops)
+
+
+def _describe(ring: Ring, links: list[Cable], by_id: dict[NodeId, Member]) -> tuple[RingHop, ...]:
+    out = []
+    for hop in ring.hops:
+        src, dst = NodeId(hop.src), NodeId(hop.dst)
+        candidates = [c for c in links if {c.a, c.b} == {src, dst} and c.kind == hop.kind]
+        # Several cables of the best kind between one pair: the data plane uses the fastest
+        # (ties: the lowest interface name), so every node names the same one.
+        cable = min(candidates, key=lambda c: (-c.gbps, _port_name(c.end(src)), _port_name(c.end(dst))))
+        sp, dp = cable.end(src), cable.end(dst)
+        if sp is not None and dp is not None:
+            pair = _common_subnet(sp.ipv4, dp.ipv4)
+        else:
+            pair = (_first_ipv4(by_id[src]), _first_ipv4(by_id[dst]))
+            pair = None if None in pair else pair  # type: ignore[assignment]
+        out.append(
+            RingHop(
+                src=src,
+                dst=dst,
+                kind=hop.kind,
+                gbps=hop.gbps,
+                rtt_ms=cable.rtt_ms,
+                src_interface=sp.interface if sp else None,
+                dst_interface=dp.interface if dp else None,
+                src_ipv4=pair[0] if pair else None,
+                dst_ipv4=pair[1] if pair else None,
+                rdma=bool(sp and dp and sp.rdma and dp.rdma),
+            )
+        )
+    return tuple(out)
+
+
+def _port_name(p: PortInfo | None) -> str:
+    return p.interface if p is not None else ""
+
+
+def _first_ipv4(m: Member) -> str | None:
+    """The member's first IPv4 control-plane address (host part of "ip:port")."""
+    for address in m.addresses:
+        host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+        try:
+            return str(ipaddress.IPv4Address(host))
+        except ValueError:
+            continue
+    return None

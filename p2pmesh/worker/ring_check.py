@@ -1,0 +1,114 @@
+"""Health check of one ring epoch: `python -m p2pmesh.worker.ring_check [--timeout-s S]`.
+
+The caller sets MLX_RANK and MLX_HOSTFILE (core/mlx_hostfile.py renders the file) and starts
+one process per rank. Each rank joins the MLX ring group, all-sums an array filled with
+rank+1 (expect n(n+1)/2), sends its rank to its right neighbour and receives its left
+neighbour's, prints one JSON line, then drains and barriers so no peer sees its sockets
+close mid-operation. Exit 0 when both checks hold, 1 on a failed check or an MLX error,
+2 on a bad environment. MLX has no timeouts (a silent peer hangs a rank forever), so a
+watchdog kills the process after --timeout-s; the caller should still bound its wait.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+from typing import Any
+
+import mlx.core as mx
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class EnvError(Exception):
+    """MLX_RANK / MLX_HOSTFILE are missing or malformed: the caller's fault."""
+
+
+def read_env() -> tuple[int, int]:
+    """(rank, size) from the environment, checked before MLX sees it: MLX's own errors
+    for a bad rank or file are obscure, and a 1-entry hostfile makes it dial itself."""
+    rank_s, path = os.environ.get("MLX_RANK"), os.environ.get("MLX_HOSTFILE")
+    if rank_s is None or path is None:
+        raise EnvError(f"set both MLX_RANK and MLX_HOSTFILE (got MLX_RANK={rank_s!r}, MLX_HOSTFILE={path!r})")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hosts = json.load(f)
+    except (OSError, ValueError) as e:
+        raise EnvError(f"cannot read hostfile {path}: {e}") from None
+    if not isinstance(hosts, list) or not all(isinstance(h, list) and h for h in hosts):
+        raise EnvError(f"hostfile {path} is not a list of [\"ip:port\", ...] lists, one per rank")
+    if len(hosts) < 2:
+        raise EnvError(f"hostfile {path} has {len(hosts)} rank(s); a ring check needs at least 2")
+    if not rank_s.isdigit() or not int(rank_s) < len(hosts):
+        raise EnvError(f"MLX_RANK={rank_s!r} is not a rank of the {len(hosts)} in {path}")
+    return int(rank_s), len(hosts)
+
+
+def check(group: mx.distributed.Group, expected_size: int) -> dict[str, Any]:
+    rank, size = group.rank(), group.size()
+    if size != expected_size:
+        raise RuntimeError(f"MLX formed a group of {size}, the hostfile lists {expected_size}")
+    # Collectives run on the CPU stream (no GPU implementation; keeps clear of Metal's watchdog).
+    total = mx.distributed.all_sum(mx.full((size,), rank + 1, dtype=mx.int32), stream=mx.cpu)
+    mx.eval(total)
+    right, left = (rank + 1) % size, (rank - 1) % size
+    # With two ranks left and right are the same peer: MLX's send tries the right socket
+    # first and recv the left one first, so this pairs one connection per direction.
+    sent = mx.distributed.send(mx.array([rank], dtype=mx.int32), right, stream=mx.cpu)
+    got = mx.distributed.recv((1,), mx.int32, left, stream=mx.cpu)
+    mx.eval(sent, got)
+    sums = total.tolist()
+    expected_sum = size * (size + 1) // 2
+    received = int(got.item())
+    return {
+        "rank": rank,
+        "size": size,
+        "all_sum": sums[0],
+        "expected_sum": expected_sum,
+        "received": received,
+        "left": left,
+        "ok": all(s == expected_sum for s in sums) and received == left,
+    }
+
+
+def drain(group: mx.distributed.Group) -> None:
+    """Finish every pending operation, then a barrier: a rank that exits with work in
+    flight closes its sockets under its neighbours ("connection to a peer was lost")."""
+    mx.synchronize()
+    mx.synchronize(mx.cpu)
+    mx.eval(mx.distributed.all_sum(mx.ones((group.size(),)), stream=mx.cpu))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m p2pmesh.worker.ring_check", description=__doc__.split("\n")[0])
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="kill this rank after S seconds")
+    args = parser.parse_args(argv)
+    # A C-level watchdog: it fires even while MLX blocks in native code, and stays armed
+    # through interpreter shutdown (MLX closes its sockets at exit).
+    faulthandler.dump_traceback_later(args.timeout_s, exit=True)
+    rank_s = os.environ.get("MLX_RANK", "?")
+    try:
+        size = read_env()[1]
+    except EnvError as e:
+        print(f"ring_check rank {rank_s}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        # init() once per process: MLX caches the group; a second call returns the same one.
+        group = mx.distributed.init(backend="ring", strict=True)
+        result = check(group, size)
+        print(json.dumps(result, sort_keys=True), flush=True)
+        drain(group)
+    except Exception as e:  # MLX raises RuntimeError/ValueError; report any failure plainly
+        print(f"ring_check rank {rank_s}: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    if not result["ok"]:
+        print(f"ring_check rank {rank_s}: wrong results {result}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
