@@ -25,6 +25,7 @@ from typing import Any
 
 import trio
 
+from p2pmesh import link_tasks
 from p2pmesh.core import wire
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.machine import (
@@ -36,7 +37,8 @@ from p2pmesh.core.machine import (
     Ready,
     TimerFired,
 )
-from p2pmesh.core.messages import Capabilities
+from p2pmesh.core.messages import Capabilities, PortInfo
+from p2pmesh.ring_view import ring_json
 from p2pmesh.core.settings import Settings
 from p2pmesh.drivers import control, keys
 from p2pmesh.drivers.storage import Storage
@@ -71,6 +73,8 @@ class AgentConfig:
     settings: Settings = Settings()
     leave_on_exit: bool = False
     mdns: bool = True
+    configure_links: bool = False
+    """Add the planned data-plane addresses to this Mac's ring interfaces (explicit consent)."""
 
     @property
     def socket_path(self) -> Path:
@@ -152,6 +156,10 @@ class Agent:
                 caps=caps,
             )
             await nursery.start(control.serve, cfg.socket_path, self)
+            nursery.start_soon(link_tasks.watch_ports, self)
+            nursery.start_soon(link_tasks.probes, self, bound_port + link_tasks.PROBE_PORT_OFFSET)
+            if cfg.configure_links:
+                nursery.start_soon(link_tasks.configure_links, self)
             await self._act(ready)
             task_status.started()
             await self._loop()
@@ -203,13 +211,18 @@ class Agent:
         if m is None:
             return {"node_id": self.identity.node_id, "pid": os.getpid(), "cluster_id": None, "role": "starting",
                     "term": 0, "leader": None, "commit_index": 0, "applied_index": 0, "healthy": False,
-                    "members": [], "state_dir": str(self.config.state_dir)}
+                    "members": [], "ring": None, "state_dir": str(self.config.state_dir)}
         st = m.status()
         r = m.raft
         members = []
+        ring: dict[str, Any] | None = None
         if r is not None:
             for mem in r.state.members:
-                members.append({"node_id": mem.node_id, "voter": mem.voter, "up": mem.up, "addresses": list(mem.addresses)})
+                members.append({
+                    "node_id": mem.node_id, "voter": mem.voter, "up": mem.up, "addresses": list(mem.addresses),
+                    "ports": [_port_json(p) for p in mem.ports],
+                })
+            ring = ring_json(r.state)
         return {
             "node_id": st.node_id,
             "pid": os.getpid(),
@@ -221,8 +234,14 @@ class Agent:
             "applied_index": st.applied_index,
             "healthy": st.healthy,
             "members": members,
+            "ring": ring,
             "state_dir": str(self.config.state_dir),
         }
+
+
+def _port_json(p: PortInfo) -> dict[str, Any]:
+    return {"interface": p.interface, "kind": p.kind, "domain_uuid": p.domain_uuid, "peer_domain_uuid": p.peer_domain_uuid,
+            "up": p.up, "gbps": p.gbps, "ipv4": list(p.ipv4), "rdma": p.rdma}
 
 
 def _dial(host: str, port: int) -> str:

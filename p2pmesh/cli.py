@@ -4,6 +4,8 @@
                 [--cluster-key-file FILE] [--advertise HOST:PORT]... [--leave-on-exit]
                 [--log-level LEVEL] [--log-format text|json]
   p2pmesh status [--state-dir DIR | --socket PATH] [--json]
+  p2pmesh ring [--state-dir DIR | --socket PATH] [--json]     (the committed ring, drawn)
+  p2pmesh ring solve GRAPH.json [--json]                      (plan a cabling)
   p2pmesh leave  [--state-dir DIR | --socket PATH]
   p2pmesh key show [--state-dir DIR]
   p2pmesh key set KEY [--state-dir DIR]
@@ -39,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--advertise", action="append", default=[], help="HOST:PORT peers should dial (default: --listen)")
     agent.add_argument("--cluster-key-file", type=Path, default=None)
     agent.add_argument("--leave-on-exit", action="store_true", help="leave the cluster gracefully on SIGINT/SIGTERM")
+    agent.add_argument(
+        "--configure-links",
+        action="store_true",
+        help="add the data-plane IPv4 addresses `p2pmesh links plan` prints (never done without this flag)",
+    )
     agent.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     agent.add_argument("--log-format", default="text", choices=["text", "json"])
 
@@ -49,8 +56,11 @@ def _parser() -> argparse.ArgumentParser:
         if name == "status":
             sp.add_argument("--json", action="store_true")
 
-    ring = sub.add_parser("ring", help="plan rings")
-    ring_sub = ring.add_subparsers(dest="ring_command", required=True)
+    ring = sub.add_parser("ring", help="show the committed ring, or plan one (`ring solve`)")
+    state_dir(ring)
+    ring.add_argument("--socket", type=Path, default=None, help="the agent's control socket (default: in --state-dir)")
+    ring.add_argument("--json", action="store_true", help="print the status `ring` object")
+    ring_sub = ring.add_subparsers(dest="ring_command", required=False)
     solve = ring_sub.add_parser("solve", help="solve a described cabling (docs/ring.md) and print the ring")
     solve.add_argument("graph", type=Path, help="GRAPH.json: {\"nodes\": [...], \"links\": [...]}")
     solve.add_argument("--json", action="store_true")
@@ -76,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("status", "leave"):
         return _ask(args)
     if args.command == "ring":
-        return _ring_solve(args)
+        return _ring_solve(args) if args.ring_command == "solve" else _ask(args)
     if args.command == "links":
         from p2pmesh import links_cmd
 
@@ -129,6 +139,7 @@ def _agent(args: argparse.Namespace) -> int:
         cluster_key_file=args.cluster_key_file,
         advertise=tuple(args.advertise),
         leave_on_exit=args.leave_on_exit,
+        configure_links=args.configure_links,
     )
     try:
         return trio.run(run_agent, config)
@@ -148,7 +159,7 @@ def _ask(args: argparse.Namespace) -> int:
 
     path = args.socket or args.state_dir / "agent.sock"
     try:
-        answer = request(path, args.command)
+        answer = request(path, "status" if args.command == "ring" else args.command)
     except ControlError as exc:
         print(f"p2pmesh: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
@@ -156,6 +167,12 @@ def _ask(args: argparse.Namespace) -> int:
         print("left the cluster" if answer.get("left") else "leaving (not yet confirmed)")
         return EXIT_OK
     status = answer["status"]
+    if args.command == "ring":
+        from p2pmesh.ring_view import draw
+
+        ring = status.get("ring") or {"epoch": 0, "order": [], "hops": []}
+        print(json.dumps(ring) if args.json else draw(ring, status["node_id"]))
+        return EXIT_OK
     if args.json:
         print(json.dumps(status))
     else:
@@ -169,6 +186,10 @@ def _print_status(s: dict[str, Any]) -> None:
     for m in s["members"]:
         flags = ("voter" if m["voter"] else "learner") + ("" if m["up"] else ", DOWN")
         print(f"  {m['node_id'][:8]}  {flags:15} {' '.join(m['addresses'])}")
+    if s.get("ring"):
+        from p2pmesh.ring_view import draw
+
+        print(draw(s["ring"], s["node_id"]))
 
 
 def _key(args: argparse.Namespace) -> int:

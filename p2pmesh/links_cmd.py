@@ -1,29 +1,53 @@
-"""`p2pmesh links parse`: turn saved Thunderbolt captures into this Mac's port list.
+"""`p2pmesh links`: Thunderbolt links, and the IPv4 addresses the ring's cables need.
 
   p2pmesh links parse --system-profiler FILE [--networksetup FILE] [--json]
+  p2pmesh links plan  [--json] [--status-file FILE] [--state-dir DIR]
+  p2pmesh links apply [--yes]  [--status-file FILE] [--state-dir DIR]
 
-Reads files only (it never runs system_profiler itself), so a capture from another Mac, or a
-bug report, can be checked anywhere. The parsing lives in p2pmesh.core.thunderbolt; this
-module owns only argument wiring, file reading and printing. cli.py calls add_parser/run.
-Exit codes: 0 success, 2 unreadable or malformed input.
+`parse` reads files only (it never runs system_profiler itself), so a capture from another
+Mac, or a bug report, can be checked anywhere; the parsing lives in p2pmesh.core.thunderbolt.
+
+`plan` reads the committed ring (from the running agent, or a saved `p2pmesh status --json`)
+and prints the exact commands this Mac would run to give its ring cables their addresses
+(p2pmesh.core.addressing), plus bridge warnings. It changes nothing. `apply` prints the same
+plan, asks for confirmation (on a terminal, unless --yes) and runs the commands through
+p2pmesh.drivers.netconfig. See docs/links.md. cli.py calls add_parser/run.
+
+Exit codes: 0 success or nothing to do; 1 a command failed (or this Mac's network could not
+be read); 2 unreadable or malformed input, no ring, not confirmed, or an unsafe plan.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from p2pmesh.core.addressing import (
+    AddressingError,
+    Assignment,
+    RingView,
+    bridge_warnings,
+    commands_for,
+    local_conflicts,
+    plan_addresses,
+    ring_from_status,
+    unaddressed_hops,
+)
 from p2pmesh.core.thunderbolt import CaptureError, local_ports, to_json
 
-EXIT_OK, EXIT_USAGE = 0, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def add_parser(subparsers: Any) -> None:
-    """Add `links parse` to an argparse subparsers object (from add_subparsers())."""
-    links = subparsers.add_parser("links", help="inspect Thunderbolt links")
-    links_sub = links.add_subparsers(dest="links_command", required=True)
+    """Add `links parse|plan|apply` to an argparse subparsers object (from add_subparsers())."""
+    links = subparsers.add_parser("links", help="inspect Thunderbolt links; address the ring's cables")
+    # No subcommand prints this help (run() sees links_command None).
+    links.set_defaults(links_help=links.format_help)
+    links_sub = links.add_subparsers(dest="links_command", metavar="{parse,plan,apply}")
     parse = links_sub.add_parser("parse", help="parse saved system_profiler/networksetup captures")
     parse.add_argument(
         "--system-profiler",
@@ -41,6 +65,30 @@ def add_parser(subparsers: Any) -> None:
         help="output of `networksetup -listallhardwareports` (maps ports to enX)",
     )
     parse.add_argument("--json", action="store_true")
+    for name, helptext in (
+        ("plan", "print the commands that would give this Mac's ring cables their IPv4 addresses (changes nothing)"),
+        ("apply", "print the plan, ask, then run it (adds addresses only; undone at reboot)"),
+    ):
+        sp = links_sub.add_parser(name, help=helptext, description=helptext)
+        sp.add_argument("--status-file", type=Path, default=None, metavar="FILE",
+                        help="a saved `p2pmesh status --json` (default: ask the running agent)")
+        sp.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                        help="the agent's state directory, where its control socket is (default: the agent's default)")
+        if name == "plan":
+            sp.add_argument("--json", action="store_true")
+        else:
+            sp.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute a `links` subcommand; prints to stdout, errors to stderr as `p2pmesh: ...`."""
+    command = getattr(args, "links_command", None)
+    if command is None:
+        print(args.links_help(), end="")
+        return EXIT_OK
+    if command in ("plan", "apply"):
+        return _plan_or_apply(args)
+    return _parse(args)
 
 
 def _read(path: Path, what: str) -> str:
@@ -54,8 +102,8 @@ def _read(path: Path, what: str) -> str:
         raise CaptureError(f"{what} file {str(path)!r} is not UTF-8 text (byte {e.start})") from None
 
 
-def run(args: argparse.Namespace) -> int:
-    """Execute `links parse`; prints to stdout, errors to stderr as `p2pmesh: ...`."""
+def _parse(args: argparse.Namespace) -> int:
+    """`links parse`."""
     try:
         sp_text = _read(args.system_profiler, "system_profiler")
         ns_text = _read(args.networksetup, "networksetup") if args.networksetup is not None else None
@@ -89,3 +137,191 @@ def run(args: argparse.Namespace) -> int:
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------
+# links plan / links apply
+
+
+class _Refused(Exception):
+    """Stop with this message and exit code (the message says whose fault it is)."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class _Plan:
+    view: RingView
+    assignments: list[Assignment]
+    commands: list[list[str]]
+    warnings: list[str]
+    conflicts: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node_id": self.view.node_id,
+            "epoch": self.view.epoch,
+            "assignments": [asdict(a) for a in self.assignments],
+            "commands": self.commands,
+            "warnings": self.warnings + self.conflicts,
+        }
+
+
+def _platform() -> str:
+    if sys.platform == "darwin":
+        return "darwin"
+    if sys.platform.startswith("linux"):
+        return "linux"
+    raise _Refused(f"addressing links is supported on macOS and Linux, not {sys.platform}")
+
+
+def _status(args: argparse.Namespace) -> Any:
+    """The status object: from --status-file, else from the agent's control socket."""
+    if args.status_file is not None:
+        try:
+            return json.loads(args.status_file.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise _Refused(f"cannot read {args.status_file}: {exc.strerror or exc}") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise _Refused(f"{args.status_file} is not a JSON status (save one with `p2pmesh status --json`): {exc}") from None
+    # The agent owns where its state and socket live; ask it rather than restating the rule.
+    from p2pmesh.agent import AgentConfig, default_state_dir
+    from p2pmesh.drivers.control import ControlError, request
+
+    state_dir = args.state_dir if args.state_dir is not None else default_state_dir()
+    try:
+        return request(AgentConfig(state_dir=state_dir).socket_path, "status")["status"]
+    except ControlError as exc:
+        hint = ""
+        if args.state_dir is None and os.environ.get("SUDO_USER") and os.geteuid() == 0:
+            hint = (" (under sudo the default state directory is root's: pass --state-dir, or save "
+                    "`p2pmesh status --json > ring.json` first and pass --status-file ring.json)")
+        raise _Refused(f"cannot read the ring: {exc}{hint}") from None
+
+
+def _gather() -> Any:
+    import trio
+
+    from p2pmesh.drivers import netconfig
+
+    return trio.run(netconfig.gather_local)
+
+
+def _make_plan(view: RingView, platform: str, local: Any, notes: list[str]) -> _Plan:
+    assignments = plan_addresses(view.hops)
+    ipv4 = local.ipv4 if local is not None else {}
+    commands = commands_for(view.node_id, assignments, platform, present=ipv4)
+    mine = sorted({a.interface for a in assignments if a.node_id == view.node_id})
+    warnings = unaddressed_hops([h for h in view.hops if view.node_id in (h.src, h.dst)])
+    if local is not None:
+        warnings += bridge_warnings(local.bridges, mine, platform=platform)
+    conflicts = local_conflicts(view.node_id, assignments, ipv4)
+    return _Plan(view, assignments, commands, warnings + notes, conflicts)
+
+
+def _print_plan(plan: _Plan, *, applying: bool) -> None:
+    view = plan.view
+    me = view.node_id
+    print(f"ring epoch {view.epoch}: {len(view.order)} Macs; this Mac is {me[:8]}")
+    by_cable: dict[str, list[Assignment]] = {}
+    for a in plan.assignments:
+        by_cable.setdefault(a.cable, []).append(a)
+    for ends in by_cable.values():
+        mine = [a for a in ends if a.node_id == me]
+        theirs = [a for a in ends if a.node_id != me]
+        if not mine or not theirs:
+            continue
+        a, b = mine[0], theirs[0]
+        prefix = f"/{a.prefix}" if a.prefix is not None else ""
+        state = "kept" if a.reused else "new"
+        print(f"  {a.interface}: {a.address}{prefix} ({state}), cable to {b.node_id[:8]} {b.interface} {b.address}")
+    if me not in view.order:
+        print(f"nothing to do: this Mac is not in ring epoch {view.epoch}")
+    elif not plan.commands:
+        print("nothing to do: this Mac's ring cables already have their addresses")
+    else:
+        print("commands (they add addresses only, and last until reboot):" if applying
+              else "this Mac would run (nothing is changed by `plan`; `p2pmesh links apply` runs them):")
+        # Both shapes carry the address at argv[3] ("ifconfig IF inet A/30 alias", "ip addr add A/30 dev IF").
+        peer_of = {a.cable: a for a in plan.assignments if a.node_id != me}
+        mine_by_address = {a.address: a for a in plan.assignments if a.node_id == me}
+        for argv in plan.commands:
+            a = mine_by_address.get(argv[3].split("/", 1)[0])
+            peer = peer_of.get(a.cable) if a is not None else None
+            note = f"    # {a.interface}: cable to {peer.node_id[:8]} {peer.interface}" if a and peer else ""
+            print(f"  {' '.join(argv)}{note}")
+    for w in plan.warnings + plan.conflicts:
+        print(f"warning: {w}")
+
+
+def _confirm(count: int, yes: bool) -> None:
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise _Refused("not changing the network without confirmation: run on a terminal, or pass --yes")
+    try:
+        answer = input(f"run these {count} command(s)? [y/N] ")
+    except EOFError:
+        answer = ""
+    if answer.strip().lower() not in ("y", "yes"):
+        raise _Refused("nothing changed")
+
+
+def _apply(commands: list[list[str]]) -> int:
+    import trio
+
+    from p2pmesh.drivers import netconfig
+
+    try:
+        results = trio.run(netconfig.apply, commands)
+    except netconfig.CommandFailed as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        for r in exc.done:
+            print(f"p2pmesh: already applied: {' '.join(r.argv)}", file=sys.stderr)
+        if hasattr(os, "geteuid") and os.geteuid() != 0:
+            print("p2pmesh: adding addresses needs root: try `sudo p2pmesh links apply`", file=sys.stderr)
+        return EXIT_FAILED
+    except netconfig.CommandRefused as exc:
+        print(f"p2pmesh: {exc} (a p2pmesh bug: nothing was run)", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"applied {len(results)} command(s); they last until this Mac restarts")
+    return EXIT_OK
+
+
+def _plan_or_apply(args: argparse.Namespace) -> int:
+    applying = args.links_command == "apply"
+    try:
+        platform = _platform()
+        try:
+            view = ring_from_status(_status(args))
+        except AddressingError as exc:
+            raise _Refused(f"the status is malformed: {exc}") from None
+        if view is None:
+            raise _Refused("no ring is committed yet: nothing to address (see `p2pmesh status`)")
+        local = None
+        notes: list[str] = []
+        try:
+            local = _gather()
+        except Exception as exc:  # netconfig.GatherError, or an OSError we did not foresee
+            if applying:
+                raise _Refused(f"cannot read this machine's network, so not changing it: {exc}", EXIT_FAILED) from None
+            notes.append(f"cannot read this machine's network ({exc}): bridges not checked, present addresses not skipped")
+        try:
+            plan = _make_plan(view, platform, local, notes)
+        except AddressingError as exc:
+            raise _Refused(f"cannot plan addresses for ring epoch {view.epoch}: {exc}") from None
+        if not applying and args.json:
+            print(json.dumps(plan.to_json()))
+            return EXIT_OK
+        _print_plan(plan, applying=applying)
+        if not applying or not plan.commands:
+            return EXIT_OK
+        if plan.conflicts:
+            raise _Refused("not applying: the plan clashes with this Mac's own addresses (see the warnings)")
+        _confirm(len(plan.commands), args.yes)
+    except _Refused as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        return exc.code
+    return _apply(plan.commands)

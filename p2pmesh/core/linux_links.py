@@ -88,7 +88,6 @@ _TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 # Linux dev_valid_name(): 1..15 chars, no "/", ":" or whitespace, not "." or "..".
 _IFNAME = re.compile(r"[^/:\s]{1,15}")
-_XDOMAIN = re.compile(r"([0-9]+)-([0-9a-f]+)")
 _SERVICE = re.compile(r"([0-9]+)-([0-9a-f]+)\.([0-9]+)")
 _TB_SPEED = re.compile(r"([0-9]+(?:\.[0-9]+)?) Gb/s")
 _OPERSTATES = {"unknown", "notpresent", "down", "lowerlayerdown", "testing", "dormant", "up"}
@@ -175,23 +174,23 @@ def _index(snapshot: Any) -> _Sysfs:
             raise CaptureError(f"sysfs snapshot entries must map str to str, not {type(key).__name__} to {type(value).__name__}")
         if len(key) > KEY_CHARS_MAX or len(value) > SYSFS_VALUE_MAX:
             raise CaptureError(f"sysfs snapshot entry {key[:80]!r} is too long")
-        parts = key.split("/")
-        body = parts[:-1] if key.endswith("/") else parts
-        if key.startswith("/") or not body or any(p in ("", ".", "..") for p in body):
+        is_dir = key.endswith("/")
+        parts = key[:-1].split("/") if is_dir else key.split("/")
+        if key.startswith("/") or any(p in ("", ".", "..") for p in parts):
             raise CaptureError(f"sysfs snapshot key {key[:80]!r} is not a clean relative path")
         if parts[:2] == ["class", "net"] and len(parts) >= 3:
             name = parts[2]
-            if _IFNAME.fullmatch(name) is None or name in (".", ".."):
+            if _IFNAME.fullmatch(name) is None:
                 raise CaptureError(f"interface name {name[:40]!r} is not a valid Linux interface name")
             attrs = net.setdefault(name, {})
             if len(net) > INTERFACES_MAX:
                 raise CaptureError(f"sysfs snapshot has more than {INTERFACES_MAX} interfaces")
-            rest = "/".join(parts[3:])
-            if rest.startswith("wireless/") or rest == "wireless":
+            rest = parts[3:]
+            if rest and rest[0] == "wireless":
                 attrs["wireless/"] = ""
-            elif rest and "/" not in rest:
-                attrs[rest] = value
-        elif parts[:3] == ["bus", "thunderbolt", "devices"] and len(parts) == 5:
+            elif len(rest) == 1:
+                attrs[rest[0] + ("/" if is_dir else "")] = value
+        elif parts[:3] == ["bus", "thunderbolt", "devices"] and len(parts) == 5 and not is_dir:
             tb.setdefault(parts[3], {})[parts[4]] = value
     return _Sysfs(net, tb)
 
@@ -200,26 +199,25 @@ def _linux_port(name: str, fs: _Sysfs, ipv4: tuple[str, ...]) -> PortInfo | None
     attrs = fs.net[name]
     if name == "lo":
         return None
-    kind_type = attrs.get("type")
-    if kind_type is not None and kind_type.strip() != ARPHRD_ETHER:
-        return None  # loopback, tunnels, InfiniBand, CAN...: never a cable we pair
     up = _carrier(name, attrs)
     marker = parse_bench_alias(attrs["ifalias"]) if "ifalias" in attrs else None
     if marker is not None:
         return PortInfo(name, "thunderbolt", marker.domain, marker.peer, up, marker.gbps, ipv4, False)
+    kind_type = attrs.get("type")
+    if kind_type is not None and kind_type.strip() != ARPHRD_ETHER:
+        return None  # loopback, tunnels, InfiniBand, CAN...: never a cable we pair
     device = attrs.get("device@")
     if device is None:
         return None  # virtual: bridge, docker, veth, tun...
-    xdomain = _xdomain_of(device)
-    if xdomain is not None:
-        domain_no = _XDOMAIN.fullmatch(xdomain)
-        assert domain_no is not None  # _xdomain_of only returns matching names
-        host = fs.tb.get(f"{domain_no.group(1)}-0", {})
+    found = _xdomain_of(device)
+    if found is not None:
+        domain_no, xdomain = found
+        host = fs.tb.get(f"{domain_no}-0", {})
         peer = fs.tb.get(xdomain, {})
         return PortInfo(
             name,
             "thunderbolt",
-            _uuid(host.get("unique_id"), f"host router {domain_no.group(1)}-0"),
+            _uuid(host.get("unique_id"), f"host router {domain_no}-0"),
             _uuid(peer.get("unique_id"), f"XDomain {xdomain}"),
             up,
             _xdomain_gbps(xdomain, peer),
@@ -246,8 +244,8 @@ def _carrier(name: str, attrs: dict[str, str]) -> bool:
     return state == "up"
 
 
-def _xdomain_of(device_target: str) -> str | None:
-    """The XDomain name when the link target is an XDomain service ``.../domainN/.../N-R/N-R.S``."""
+def _xdomain_of(device_target: str) -> tuple[str, str] | None:
+    """(N, "N-R") when the link target is an XDomain service ``.../domainN/.../N-R/N-R.S``."""
     parts = [p for p in device_target.strip().split("/") if p]
     if len(parts) < 3:
         return None
@@ -257,7 +255,7 @@ def _xdomain_of(device_target: str) -> str | None:
     xdomain = f"{m.group(1)}-{m.group(2)}"
     if parts[-2] != xdomain or f"domain{m.group(1)}" not in parts[:-2] or m.group(2) == "0":
         return None
-    return xdomain
+    return m.group(1), xdomain
 
 
 def _uuid(value: str | None, where: str) -> str | None:
@@ -375,10 +373,11 @@ class IfconfigEntry:
 
 _IFC_HEADER = re.compile(r"([A-Za-z][A-Za-z0-9_.-]{0,31}): flags=[0-9a-fA-F]+<[^>]*>.*")
 _IFC_INET = re.compile(
-    r"inet ([0-9.]+)(?: --> [0-9.]+)? netmask (0x[0-9a-fA-F]{1,8}|[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+)(?: .*)?"
+    r"inet ([0-9.]{7,15})(?: --> [0-9.]{7,15})? netmask (0x[0-9a-fA-F]{1,8}|[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3})(?: .*)?"
 )
 _IFC_STATUS = re.compile(r"status: (\S+)")
-_IFC_MEDIA_SPEED = re.compile(r"media: .*\(([0-9]{1,6})(G?)[bB]ase")
+# The active medium is the last one on the line: "autoselect (1000baseT <full-duplex>)".
+_IFC_MEDIA_SPEED = re.compile(r"([0-9]{1,6})(G?)[bB]ase")
 IFCONFIG_INTERFACES_MAX = 1024
 
 
@@ -429,10 +428,10 @@ def parse_ifconfig(text: str) -> dict[str, IfconfigEntry]:
                 raise CaptureError(f"ifconfig line {lineno}: unknown status {line[:40]!r}")
             current["status"] = m.group(1)
         elif line.startswith("media:"):
-            m = _IFC_MEDIA_SPEED.match(line)
-            if m is not None:
-                value = int(m.group(1))
-                gbps = float(value) if m.group(2) else value / 1000.0
+            speeds = _IFC_MEDIA_SPEED.findall(line)
+            if speeds:
+                digits, giga = speeds[-1]
+                gbps = float(digits) if giga else int(digits) / 1000.0
                 current["media_gbps"] = gbps if _sane_gbps(gbps) else None
     if not entries:
         raise CaptureError("ifconfig capture has no interface header")
@@ -571,5 +570,5 @@ def _sane_gbps(gbps: float) -> bool:
 
 def _natural(name: str) -> tuple[str, int, str]:
     """en2 < en10; names without a numeric suffix sort by text."""
-    m = re.fullmatch(r"(.*?)([0-9]+)", name)
+    m = re.fullmatch(r"(.*?)([0-9]{1,9})", name)
     return (m.group(1), int(m.group(2)), name) if m else (name, -1, name)

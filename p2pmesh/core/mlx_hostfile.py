@@ -161,7 +161,7 @@ def _ipv4_literal(address: str) -> str:
         ip = ipaddress.ip_address(address)
     except ValueError:
         raise ValueError(f"{address!r} is not an IP literal (MLX needs IPv4 literals)") from None
-    if isinstance(ip, ipaddress.IPv6Address):
+    if ip.version != 4:
         raise ValueError(f"{address} is IPv6: MLX's ring backend is IPv4-only")
     if ip.is_unspecified or ip.is_multicast:
         raise ValueError(f"{address} cannot be a listen address a peer dials")

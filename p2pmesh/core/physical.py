@@ -99,7 +99,7 @@ def _lan_links(members: list[Member]) -> list[Cable]:
             for pa in a.ports:
                 for pb in b.ports:
                     if pa.kind == pb.kind and pa.kind in ("ethernet", "wifi") and pa.up and pb.up:
-                        if _common_subnet(pa.ipv4, pb.ipv4) is not None:
+                        if common_subnet(pa.ipv4, pb.ipv4) is not None:
                             gbps = min(pa.gbps or NOMINAL_GBPS[pa.kind], pb.gbps or NOMINAL_GBPS[pb.kind])
                             c = Cable(a.node_id, b.node_id, pa.kind, gbps, pa, pb, None, None)
                             if best is None or _lan_rank(c) < _lan_rank(best):
@@ -129,7 +129,7 @@ def _with_probes(c: Cable, by_id: dict[NodeId, Member]) -> Cable:
     return Cable(c.a, c.b, c.kind, c.gbps, c.a_port, c.b_port, min(rtts), max(rates))
 
 
-def _common_subnet(left: tuple[str, ...], right: tuple[str, ...]) -> tuple[str, str] | None:
+def common_subnet(left: tuple[str, ...], right: tuple[str, ...]) -> tuple[str, str] | None:
     """The first pair of addresses (bare, no prefix) that share a subnet, if any."""
     for x in left:
         for y in right:
@@ -184,7 +184,7 @@ def _describe(ring: Ring, links: list[Cable], by_id: dict[NodeId, Member]) -> tu
         cable = min(candidates, key=lambda c: (-c.gbps, _port_name(c.end(src)), _port_name(c.end(dst))))
         sp, dp = cable.end(src), cable.end(dst)
         if sp is not None and dp is not None:
-            pair = _common_subnet(sp.ipv4, dp.ipv4)
+            pair = common_subnet(sp.ipv4, dp.ipv4)
         else:
             pair = (_first_ipv4(by_id[src]), _first_ipv4(by_id[dst]))
             pair = None if None in pair else pair  # type: ignore[assignment]

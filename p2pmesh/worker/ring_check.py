@@ -4,9 +4,10 @@ The caller sets MLX_RANK and MLX_HOSTFILE (core/mlx_hostfile.py renders the file
 one process per rank. Each rank joins the MLX ring group, all-sums an array filled with
 rank+1 (expect n(n+1)/2), sends its rank to its right neighbour and receives its left
 neighbour's, prints one JSON line, then drains and barriers so no peer sees its sockets
-close mid-operation. Exit 0 when both checks hold, 1 on a failed check or an MLX error,
-2 on a bad environment. MLX has no timeouts (a silent peer hangs a rank forever), so a
-watchdog kills the process after --timeout-s; the caller should still bound its wait.
+close mid-operation. Exit 0 when both checks hold, 1 on a failed check, an MLX error or
+the watchdog, 2 on a bad environment. MLX has no timeouts (a silent peer hangs a rank
+forever), so a watchdog dumps the stack and exits after --timeout-s; the caller should
+still bound its wait and kill what is left.
 """
 from __future__ import annotations
 
@@ -59,7 +60,11 @@ def check(group: mx.distributed.Group, expected_size: int) -> dict[str, Any]:
     # first and recv the left one first, so this pairs one connection per direction.
     sent = mx.distributed.send(mx.array([rank], dtype=mx.int32), right, stream=mx.cpu)
     got = mx.distributed.recv((1,), mx.int32, left, stream=mx.cpu)
-    mx.eval(sent, got)
+    # Evaluated one at a time: mx.eval(sent, got) may run the recv first on every rank,
+    # and a ring of ranks all waiting to receive hangs (seen with 3 ranks). Rank 0 receives
+    # first and the others send first, so the ring unwinds even if a send had to wait.
+    for step in (got, sent) if rank == 0 else (sent, got):
+        mx.eval(step)
     sums = total.tolist()
     expected_sum = size * (size + 1) // 2
     received = int(got.item())
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.dump_traceback_later(args.timeout_s, exit=True)
     rank_s = os.environ.get("MLX_RANK", "?")
     try:
-        size = read_env()[1]
+        _, size = read_env()
     except EnvError as e:
         print(f"ring_check rank {rank_s}: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         result = check(group, size)
         print(json.dumps(result, sort_keys=True), flush=True)
         drain(group)
-    except Exception as e:  # MLX raises RuntimeError/ValueError; report any failure plainly
+    except Exception as e:  # noqa: BLE001 - a health check reports any failure, whatever MLX raised
         print(f"ring_check rank {rank_s}: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
     if not result["ok"]:

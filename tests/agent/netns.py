@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from p2pmesh.core.linux_links import bench_alias
 from tests.agent.harness import AgentProc
 
 IP_TIMEOUT_S = 10
@@ -56,6 +57,8 @@ class Bench:
     prefix: str
     hosts: list[str] = field(default_factory=list)
     cables: list[Cable] = field(default_factory=list)
+    switch: str | None = None
+    """The namespace holding the LAN's bridge, once ``lan()`` made one."""
 
     @classmethod
     def create(cls, count: int) -> Bench:
@@ -71,7 +74,10 @@ class Bench:
             raise
         return bench
 
-    def plug(self, i: int, j: int, *, ipv4: bool = True) -> Cable:
+    def plug(self, i: int, j: int, *, ipv4: bool = True, thunderbolt: bool = False, gbps: float = 40.0) -> Cable:
+        """A veth "cable" between hosts i and j. With ``thunderbolt`` both ends carry the
+        ifalias marker the link watcher reads as a Thunderbolt port (each end's own domain
+        UUID and the far end's), so the agents pair the ends exactly as on Macs."""
         n = len(self.cables)
         a, b = self.hosts[i], self.hosts[j]
         dev_a, dev_b = f"tb{n}a{i}", f"tb{n}b{j}"
@@ -80,11 +86,28 @@ class Bench:
         if ipv4:
             ip("-n", a, "addr", "add", f"{addr_a}/30", "dev", dev_a)
             ip("-n", b, "addr", "add", f"{addr_b}/30", "dev", dev_b)
+        if thunderbolt:
+            uuid_a, uuid_b = _domain_uuid(i, n), _domain_uuid(j, n)
+            ip("-n", a, "link", "set", "dev", dev_a, "alias", bench_alias(uuid_a, uuid_b, gbps))
+            ip("-n", b, "link", "set", "dev", dev_b, "alias", bench_alias(uuid_b, uuid_a, gbps))
         ip("-n", a, "link", "set", dev_a, "up", "multicast", "on")
         ip("-n", b, "link", "set", dev_b, "up", "multicast", "on")
         cable = Cable(a, b, dev_a, dev_b, addr_a, addr_b)
         self.cables.append(cable)
         return cable
+
+    def lan(self) -> None:
+        """An Ethernet switch every host is wired to (10.99.0.i/24), the control plane's
+        path between hosts that no cable joins, like the home network of real Macs."""
+        self.switch = f"{self.prefix}sw"
+        ip("netns", "add", self.switch)
+        ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.switch, "link", "set", "br0", "up")
+        for i, host in enumerate(self.hosts):
+            ip("link", "add", f"lan{i}", "netns", host, "type", "veth", "peer", "name", f"sw{i}", "netns", self.switch)
+            ip("-n", self.switch, "link", "set", f"sw{i}", "master", "br0", "up")
+            ip("-n", host, "addr", "add", f"10.99.0.{i + 1}/24", "dev", f"lan{i}")
+            ip("-n", host, "link", "set", f"lan{i}", "up", "multicast", "on")
 
     def set_link(self, cable: Cable, up: bool) -> None:
         state = "up" if up else "down"
@@ -122,6 +145,12 @@ class Bench:
         return out
 
     def close(self) -> None:
-        for name in self.hosts:
+        for name in [*self.hosts, *([self.switch] if self.switch else [])]:
             ip("netns", "del", name, check=False)
         self.hosts.clear()
+        self.switch = None
+
+
+def _domain_uuid(host: int, cable: int) -> str:
+    """A stable, UUID-shaped Thunderbolt domain id for one port of one bench host."""
+    return f"00000000-0000-4000-{host:04x}-{cable:012x}"

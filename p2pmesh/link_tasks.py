@@ -1,0 +1,154 @@
+"""The agent's link tasks: watch this Mac's ports, measure its cables, and (only when the
+user asked with --configure-links) address the ring's cables.
+
+Each task turns I/O into core inputs (PortsObserved, ProbesMeasured) on the agent's inbox
+or reads the committed state the core task applied; none of them touches the Machine.
+- watch_ports: polls the link watcher (sysfs on Linux: cheap, every 0.25 s, so a pulled
+  cable reaches the ring within the 1 s target; system_profiler on macOS: slow, every 3 s);
+- probes: serves the bounded probe protocol on this Mac's Thunderbolt addresses only (never
+  on other interfaces), and probes every cabled peer after each ring change and then every
+  PROBE_PERIOD_S;
+- configure_links: after each ring epoch, adds the planned /30 addresses for this Mac's ring
+  cables (p2pmesh links plan shows the same commands).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+import trio
+
+from p2pmesh.core import physical
+from p2pmesh.core.messages import LinkProbe, PortInfo
+from p2pmesh.core.machine import PortsObserved, ProbesMeasured
+
+if TYPE_CHECKING:
+    from p2pmesh.agent import Agent
+
+log = logging.getLogger("p2pmesh.links")
+
+WATCH_PERIOD_S = 3.0 if sys.platform == "darwin" else 0.25
+PROBE_PERIOD_S = 60.0
+PROBE_CHECK_S = 1.0
+PROBE_PORT_OFFSET = 1
+"""Probes listen on the agent's port + 1, on Thunderbolt addresses only."""
+PROBE_TARGETS_MAX = 16
+
+
+async def watch_ports(agent: Agent) -> None:
+    from p2pmesh.drivers import linkwatch
+
+    only = set(agent.config.interfaces) or None
+    last: tuple[PortInfo, ...] | None = None
+    failing = False
+    while True:  # runs for the agent's lifetime; cancelled with its nursery
+        try:
+            ports = tuple(await linkwatch.detect_ports(interfaces=only))
+            failing = False
+        except Exception as exc:  # a tool failed: keep the last good view, say so once
+            if not failing:
+                log.warning("cannot read this Mac's ports: %s", exc)
+            failing = True
+            ports = last or ()
+        if ports != last:
+            last = ports
+            await agent.inbox_send.send(PortsObserved(ports))
+        await trio.sleep(WATCH_PERIOD_S)
+
+
+def _my_cables(agent: Agent) -> list[tuple[str, str, str]]:
+    """(my interface, peer node id, peer IPv4) for every Thunderbolt cable of this Mac whose
+    two ends share an IPv4 subnet (the probe goes over that very cable)."""
+    m = agent.machine
+    if m is None or m.raft is None:
+        return []
+    me = agent.identity.node_id
+    state = m.raft.state
+    out = []
+    for c in physical.cables(state, physical.serving(state)):
+        if c.kind != "thunderbolt" or me not in (c.a, c.b):
+            continue
+        mine, theirs = (c.a_port, c.b_port) if c.a == me else (c.b_port, c.a_port)
+        if mine is None or theirs is None:
+            continue
+        pair = physical.common_subnet(mine.ipv4, theirs.ipv4)
+        if pair is not None:
+            out.append((mine.interface, c.b if c.a == me else c.a, pair[1]))
+    return out[:PROBE_TARGETS_MAX]
+
+
+def _my_probe_hosts(agent: Agent) -> set[str]:
+    m = agent.machine
+    return {addr.split("/")[0] for p in (m.ports if m else ()) if p.kind == "thunderbolt" and p.up for addr in p.ipv4}
+
+
+async def probes(agent: Agent, port: int) -> None:
+    """Serve probes on this Mac's Thunderbolt addresses and probe its cabled peers."""
+    from p2pmesh.drivers.probe import ProbeError, probe, serve_probes
+
+    server_ctx, client_ctx = agent.credentials.contexts()
+    serving: dict[str, trio.CancelScope] = {}
+    last_epoch = -1
+    last_probe = -PROBE_PERIOD_S
+
+    async def serve_one(host: str, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                await serve_probes(host, port, server_ctx)
+            except OSError as exc:
+                log.warning("cannot serve link probes on %s:%d: %s", host, port, exc)
+
+    async with trio.open_nursery() as nursery:
+        while True:  # for the agent's lifetime
+            hosts = _my_probe_hosts(agent)
+            for host in set(serving) - hosts:
+                serving.pop(host).cancel()
+            for host in hosts - set(serving):
+                serving[host] = trio.CancelScope()
+                nursery.start_soon(serve_one, host, serving[host])
+            m = agent.machine
+            epoch = m.raft.state.ring_epoch if m and m.raft else 0
+            now = trio.current_time()
+            if epoch != last_epoch or now - last_probe >= PROBE_PERIOD_S:
+                last_epoch, last_probe = epoch, now
+                results: list[LinkProbe] = []
+                for interface, peer, peer_ip in _my_cables(agent):
+                    try:
+                        r = await probe(peer_ip, port, client_ctx, peer, timeout_s=3.0)
+                    except ProbeError as exc:
+                        log.info("probe of %s over %s failed: %s", peer[:8], interface, exc)
+                        continue
+                    results.append(LinkProbe(interface, peer, round(r.rtt_ms, 3), round(r.gbps, 2)))
+                if results or (m is not None and m.probes):
+                    await agent.inbox_send.send(ProbesMeasured(tuple(results)))
+            await trio.sleep(PROBE_CHECK_S)
+
+
+async def configure_links(agent: Agent) -> None:
+    """Add the planned addresses for this Mac's ring cables after every ring change."""
+    from p2pmesh.core.addressing import AddressingError, commands_for, plan_addresses
+    from p2pmesh.drivers.netconfig import NetconfigError, apply
+
+    platform = "darwin" if sys.platform == "darwin" else "linux"
+    done: set[tuple[str, ...]] = set()
+    last_epoch = -1
+    while True:
+        m = agent.machine
+        state = m.raft.state if m and m.raft else None
+        if state is not None and state.ring_epoch != last_epoch:
+            last_epoch = state.ring_epoch
+            try:
+                commands = commands_for(agent.identity.node_id, plan_addresses(state.ring_hops), platform)
+            except AddressingError as exc:
+                log.warning("cannot plan data-plane addresses: %s", exc)
+                commands = []
+            todo = [c for c in commands if tuple(c) not in done]
+            if todo:
+                log.info("configuring ring links (--configure-links): %s", "; ".join(" ".join(c) for c in todo))
+                try:
+                    await apply(todo)
+                    done.update(tuple(c) for c in todo)
+                except NetconfigError as exc:
+                    log.warning("could not configure a ring link: %s", exc)
+        await trio.sleep(0.5)
