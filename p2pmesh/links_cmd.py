@@ -38,6 +38,7 @@ from p2pmesh.core.addressing import (
     unaddressed_hops,
 )
 from p2pmesh.core.thunderbolt import CaptureError, local_ports, to_json
+from p2pmesh.drivers import netconfig
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -201,15 +202,16 @@ def _status(args: argparse.Namespace) -> Any:
         raise _Refused(f"cannot read the ring: {exc}{hint}") from None
 
 
-def _gather() -> Any:
+def _gather() -> netconfig.LocalNetwork:
     import trio
 
-    from p2pmesh.drivers import netconfig
+    try:
+        return trio.run(netconfig.gather_local)
+    except OSError as exc:  # e.g. /sys unreadable: the same story as a failed ifconfig
+        raise netconfig.GatherError(str(exc)) from None
 
-    return trio.run(netconfig.gather_local)
 
-
-def _make_plan(view: RingView, platform: str, local: Any, notes: list[str]) -> _Plan:
+def _make_plan(view: RingView, platform: str, local: netconfig.LocalNetwork | None, notes: list[str]) -> _Plan:
     assignments = plan_addresses(view.hops)
     ipv4 = local.ipv4 if local is not None else {}
     commands = commands_for(view.node_id, assignments, platform, present=ipv4)
@@ -272,8 +274,6 @@ def _confirm(count: int, yes: bool) -> None:
 def _apply(commands: list[list[str]]) -> int:
     import trio
 
-    from p2pmesh.drivers import netconfig
-
     try:
         results = trio.run(netconfig.apply, commands)
     except netconfig.CommandFailed as exc:
@@ -304,7 +304,7 @@ def _plan_or_apply(args: argparse.Namespace) -> int:
         notes: list[str] = []
         try:
             local = _gather()
-        except Exception as exc:  # netconfig.GatherError, or an OSError we did not foresee
+        except netconfig.GatherError as exc:
             if applying:
                 raise _Refused(f"cannot read this machine's network, so not changing it: {exc}", EXIT_FAILED) from None
             notes.append(f"cannot read this machine's network ({exc}): bridges not checked, present addresses not skipped")

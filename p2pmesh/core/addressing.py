@@ -450,7 +450,7 @@ def parse_ifconfig_ipv4(text: str) -> dict[str, tuple[str, ...]]:
         inet = _IFCONFIG_INET.match(line)
         if inet and current is not None:
             mask = inet.group(2)
-            bits = bin(int(mask, 16)).count("1") if mask.startswith("0x") else ipaddress.IPv4Network(f"0.0.0.0/{mask}").prefixlen
+            bits = int(mask, 16).bit_count() if mask.startswith("0x") else ipaddress.IPv4Network(f"0.0.0.0/{mask}").prefixlen
             found.setdefault(current, []).append(f"{inet.group(1)}/{bits}")
     return {k: tuple(v) for k, v in found.items()}
 

@@ -115,6 +115,8 @@ def bench_alias(domain: str, peer: str, gbps: float) -> str:
 
 @dataclass(frozen=True, slots=True)
 class BenchMarker:
+    """What a bench marker says: this end's UUID, the other end's, the nominal speed."""
+
     domain: str
     peer: str
     gbps: float
@@ -413,7 +415,7 @@ def parse_ifconfig(text: str) -> dict[str, IfconfigEntry]:
             continue
         if current is None:
             raise CaptureError(f"ifconfig line {lineno} is indented but follows no interface header")
-        line = raw.strip()
+        line = " ".join(raw.split())  # tabs and runs of spaces vary between macOS versions
         if line.startswith("inet "):
             m = _IFC_INET.fullmatch(line)
             if m is None:
@@ -449,7 +451,7 @@ def _prefix_of(mask: str, lineno: int) -> int:
         if any(o > 255 for o in octets):
             raise CaptureError(f"ifconfig line {lineno}: netmask {mask!r} is not a netmask")
         value = (octets[0] << 24) | (octets[1] << 16) | (octets[2] << 8) | octets[3]
-    prefix = bin(value).count("1")
+    prefix = value.bit_count()
     if value != ((1 << 32) - 1) ^ ((1 << (32 - prefix)) - 1):
         raise CaptureError(f"ifconfig line {lineno}: netmask {mask!r} is not contiguous")
     return prefix
@@ -559,7 +561,8 @@ def _ipv4_of(ifc: dict[str, IfconfigEntry], name: str) -> tuple[str, ...]:
 
 
 def _float(text: str, where: str) -> float:
-    if re.fullmatch(r"[0-9]{1,9}(?:\.[0-9]{1,9})?(?:[eE][+-]?[0-9]{1,3})?", text) is None:
+    # Up to 17 significant digits: whatever repr() prints for a float round-trips.
+    if re.fullmatch(r"[0-9]{1,17}(?:\.[0-9]{1,17})?(?:[eE][+-]?[0-9]{1,3})?", text) is None:
         raise CaptureError(f"{where} {text[:30]!r} is not a number")
     return float(text)
 

@@ -180,9 +180,43 @@ def solve(nodes: list[str], links: list[Link], *, expansions_max: int = EXPANSIO
     path = [0]
     visited = [False] * size
     visited[0] = True
+    # A lower bound on the latency still to come: every unvisited node, and node 0 (the
+    # closing hop), must be entered by one of its hops, at least its cheapest.
+    # The same for slow hops (a node all of whose hops are slow adds one) and, as an upper
+    # bound on the bottleneck, the fastest hop into each node still to enter.
+    min_in = [min(hop[i][j].rtt_ms for j in neighbours[i]) for i in range(size)]  # type: ignore[union-attr]
+    slow_in = [min(hop[i][j].slow for j in neighbours[i]) for i in range(size)]  # type: ignore[union-attr]
+    fast_in = [max(hop[i][j].gbps for j in neighbours[i]) for i in range(size)]  # type: ignore[union-attr]
+    to_come = [sum(min_in)]
+    slow_to_come = [sum(slow_in)]
+    # Thunderbolt adjacency as bitmasks: the rest of the ring is a path from the current
+    # node through every unvisited one back to node 0, and it must take a slow hop each
+    # time it moves between two groups of nodes that no Thunderbolt cables connect.
+    fast_adj = [sum(1 << j for j in neighbours[i] if hop[i][j].slow == 0) for i in range(size)]  # type: ignore[union-attr]
+    unvisited = [((1 << size) - 1) & ~1]
+    all_hops = [hop[i][j] for i in range(size) for j in neighbours[i]]
+    fast_rtt = min((h.rtt_ms for h in all_hops if h.slow == 0), default=0.0)  # type: ignore[union-attr]
+    slow_rtt = min((h.rtt_ms for h in all_hops if h.slow == 1), default=0.0)  # type: ignore[union-attr]
 
-    def key_of(slow: int, bottleneck: float, latency: float, p: list[int]) -> tuple[int, float, float, tuple[str, ...]]:
-        return (slow, -bottleneck, round(latency, 9), _canonical(order, p))
+    def groups(mask: int) -> int:
+        count = 0
+        while mask:
+            frontier = mask & -mask
+            seen = 0
+            while frontier:
+                seen |= frontier
+                bit = frontier & -frontier
+                frontier &= frontier - 1
+                frontier |= fast_adj[bit.bit_length() - 1] & mask & ~seen
+            mask &= ~seen
+            count += 1
+        return count
+
+    def key_of(slow: int, bottleneck: float, latency: float, p: list[int]) -> tuple[int, float, float, tuple[int, ...]]:
+        # The tie-break is the path itself: both directions of every ring are explored
+        # from node 0, so the smallest path is the ring's canonical form (_canonical), and
+        # a prefix already larger than the best path's can be pruned.
+        return (slow, -bottleneck, round(latency, 9), tuple(p))
 
     def dfs(slow: int, bottleneck: float, latency: float) -> None:
         if expansions[0] >= expansions_max:
@@ -205,13 +239,41 @@ def solve(nodes: list[str], links: list[Link], *, expansions_max: int = EXPANSIO
             assert ph is not None
             s, bn, lat = slow + ph.slow, min(bottleneck, ph.gbps), latency + ph.rtt_ms
             if best[0] is not None:
-                bs, bneg, blat, _ = best[0]  # type: ignore[misc]
-                # Every objective only worsens as the ring grows: prune on the prefix.
-                if s > bs or (s == bs and -bn > bneg) or (s == bs and -bn == bneg and lat > blat + 1e-9):
+                bs, bneg, blat, bpath = best[0]  # type: ignore[misc]
+                # Prune on bounds of the finished ring, in the objective's order: each
+                # component can only be at least (slow, latency) or at most (bottleneck)
+                # what the prefix plus the cheapest way to finish gives.
+                s_lb = s + slow_to_come[0] - slow_in[j]
+                if s_lb <= bs:
+                    rest = (unvisited[0] & ~(1 << j)) | (1 << j) | 1
+                    s_lb = max(s_lb, s + groups(rest) - 1)
+                if s_lb > bs:
                     continue
+                if s_lb == bs:
+                    bn_ub = bn
+                    for v in range(size):
+                        if (not visited[v] and v != j) or v == 0:
+                            bn_ub = min(bn_ub, fast_in[v])
+                    if -bn_ub > bneg:
+                        continue
+                    if -bn_ub == bneg:
+                        left = size - len(path)  # hops still to take after this one
+                        need_slow = min(left, s_lb - s)
+                        by_kind = (left - need_slow) * min(fast_rtt, slow_rtt) + need_slow * slow_rtt
+                        bound = round(lat + max(to_come[0] - min_in[j], by_kind), 9)
+                        if bound > blat + 1e-9:
+                            continue
+                        if bound >= blat - 1e-9 and tuple(path) + (j,) > bpath[: len(path) + 1]:
+                            continue  # at best a tie, and a tie this path would lose
             visited[j] = True
             path.append(j)
+            to_come[0] -= min_in[j]
+            slow_to_come[0] -= slow_in[j]
+            unvisited[0] &= ~(1 << j)
             dfs(s, bn, lat)
+            unvisited[0] |= 1 << j
+            slow_to_come[0] += slow_in[j]
+            to_come[0] += min_in[j]
             path.pop()
             visited[j] = False
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import trio
 
+from p2pmesh.core.errors import MeshError
 from p2pmesh.core.linux_links import linux_ports, macos_ports
 from p2pmesh.core.messages import PortInfo
 from p2pmesh.core.thunderbolt import CaptureError
@@ -56,7 +57,7 @@ LINUX_PERIOD_S = 1.0
 DARWIN_PERIOD_S = 10.0  # system_profiler is slow and wakes Thunderbolt controllers
 
 
-class ToolError(Exception):
+class ToolError(MeshError):
     """A command we depend on is missing, timed out, failed or printed too much."""
 
 

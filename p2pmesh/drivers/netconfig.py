@@ -17,7 +17,11 @@ from pathlib import Path
 
 import trio
 
-from p2pmesh.core.addressing import parse_ifconfig_bridge_members, parse_ifconfig_ipv4, parse_ip_addr_ipv4
+from p2pmesh.core.addressing import (
+    parse_ifconfig_bridge_members,
+    parse_ifconfig_ipv4,
+    parse_ip_addr_ipv4,
+)
 
 ALLOWED_PROGRAMS = frozenset({"ifconfig", "ip"})
 # Where the real ifconfig/ip live; a PATH pointing elsewhere must not pick what runs as root.

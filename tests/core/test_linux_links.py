@@ -163,6 +163,12 @@ def test_bench_alias_round_trips(gbps: float) -> None:
     assert parse_bench_alias(text + "\n") == BenchMarker("dom-A", "dom-B", float(gbps))
 
 
+@settings(max_examples=300, deadline=None)
+@given(gbps=st.floats(min_value=1e-9, max_value=999_999.999), token=st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}", fullmatch=True))
+def test_bench_alias_round_trips_any_valid_value(gbps: float, token: str) -> None:
+    assert parse_bench_alias(bench_alias(token, "peer", gbps)) == BenchMarker(token, "peer", gbps)
+
+
 @pytest.mark.parametrize(
     "domain,peer,gbps",
     [("", "b", 1.0), ("a b", "b", 1.0), ("a", "b=c", 1.0), ("a", "b", 0), ("a", "b", -3.0),
@@ -333,47 +339,78 @@ def test_ip_json_of_the_wrong_type_raises_capture_error() -> None:
 
 
 # Realistic pieces mixed with noise, so the fuzzer reaches the deep branches too.
-_NAMES = st.sampled_from(["eth0", "thunderbolt0", "tb0a0", "lo", "wlan0", "x", "a b", "", "..", "e" * 16])
+_GOOD_NAMES = st.sampled_from(["eth0", "thunderbolt0", "tb0a0", "lo", "wlan0", "x"])
+_NAMES = st.one_of(_GOOD_NAMES, _GOOD_NAMES, _GOOD_NAMES, st.sampled_from(["a b", "", "..", "e" * 16]))
 _ATTRS = st.sampled_from(["operstate", "carrier", "speed", "ifalias", "type", "device@", "phy80211@", "wireless/", "", "x/y"])
 _TB_DEVS = st.sampled_from(["0-0", "0-1", "1-0", "1-3", "domain0", "0-1.0"])
 _TB_ATTRS = st.sampled_from(["unique_id", "rx_speed", "rx_lanes", "tx_speed", "tx_lanes"])
-_VALUES = st.one_of(
-    st.sampled_from(["1", "0", "up\n", "down", "1000\n", "-1", "20.0 Gb/s\n", "2\n", HOST0, PEER_A, "", "772",
-                     f"{PCI}/domain0/0-0/0-1/0-1.0", bench_alias("a", "b", 40), "p2pmesh:thunderbolt domain=a"]),
-    st.text(max_size=40),
+_GOOD_VALUES = st.sampled_from(
+    ["1", "0", "up\n", "down", "unknown", "1000\n", "-1", "1\n", "20.0 Gb/s\n", "2\n", HOST0, PEER_A, "", "772",
+     f"{PCI}/domain0/0-0/0-1/0-1.0", f"{PCI}/domain1/1-0/1-3/1-3.0", "devices/pci/eth0",
+     bench_alias("a", "b", 40), "p2pmesh:thunderbolt domain=a"]
 )
-_KEYS = st.one_of(
-    st.builds(lambda n, a: f"class/net/{n}/{a}", _NAMES, _ATTRS),
+_VALUES = st.one_of(_GOOD_VALUES, _GOOD_VALUES, _GOOD_VALUES, st.text(max_size=40))
+_GOOD_KEYS = st.one_of(
+    st.builds(lambda n, a: f"class/net/{n}/{a}", _GOOD_NAMES, _ATTRS),
     st.builds(lambda d, a: f"bus/thunderbolt/devices/{d}/{a}", _TB_DEVS, _TB_ATTRS),
-    st.text(max_size=30),
 )
+_KEYS = st.one_of(_GOOD_KEYS, _GOOD_KEYS, _GOOD_KEYS, st.builds(lambda n, a: f"class/net/{n}/{a}", _NAMES, _ATTRS), st.text(max_size=30))
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats() | st.text(max_size=20),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
     max_leaves=20,
 )
 _ADDR_INFO = st.fixed_dictionaries(
-    {"family": st.sampled_from(["inet", "inet6", 4]), "local": st.one_of(st.sampled_from(["10.0.0.1", "::1", "1.2.3"]), _JSON),
-     "prefixlen": st.one_of(st.integers(-2, 40), _JSON)}
+    {"family": st.sampled_from(["inet", "inet", "inet6", 4]),
+     "local": st.one_of(st.sampled_from(["10.0.0.1", "169.254.3.1", "::1", "1.2.3"]), _JSON),
+     "prefixlen": st.one_of(st.integers(-2, 40), st.integers(0, 32), _JSON)}
 )
 _IP_ENTRY = st.one_of(
-    st.fixed_dictionaries({"ifname": st.one_of(_NAMES, _JSON), "addr_info": st.lists(_ADDR_INFO, max_size=3)}), _JSON
+    st.fixed_dictionaries({"ifname": st.one_of(_GOOD_NAMES, _NAMES, _JSON), "addr_info": st.lists(_ADDR_INFO, max_size=3)}),
+    st.just({}),
+    _JSON,
 )
 _IP_TEXT = st.one_of(st.lists(_IP_ENTRY, max_size=4).map(json.dumps), _JSON.map(json.dumps), st.text(max_size=60))
 
 
-@settings(max_examples=400, deadline=None)
-@given(snapshot=st.dictionaries(_KEYS, _VALUES, max_size=12), ip_text=_IP_TEXT)
-def test_fuzzed_snapshots_and_ip_json_raise_only_capture_error(snapshot: dict[str, str], ip_text: str) -> None:
-    try:
-        ports = linux_ports(snapshot, ip_text)
-    except CaptureError as e:
-        assert str(e)
-        return
+def _check(ports: list[PortInfo]) -> None:
     for p in ports:
         assert isinstance(p, PortInfo) and p.kind in ("thunderbolt", "ethernet", "wifi")
         assert p.gbps is None or 0 < p.gbps < 1e6
-        assert len(p.ipv4) <= 16
+        assert len(p.ipv4) <= 16 and p.interface != "lo"
+
+
+@settings(max_examples=500, deadline=None)
+@given(snapshot=st.dictionaries(_KEYS, _VALUES, max_size=16))
+def test_fuzzed_snapshots_raise_only_capture_error(snapshot: dict[str, str]) -> None:
+    try:
+        ports = linux_ports(snapshot, "[]")
+    except CaptureError as e:
+        assert str(e)
+        return
+    _check(ports)
+
+
+@settings(max_examples=500, deadline=None)
+@given(ip_text=_IP_TEXT)
+def test_fuzzed_ip_json_raises_only_capture_error(ip_text: str) -> None:
+    try:
+        addrs = parse_ip_addr_json(ip_text)
+    except CaptureError as e:
+        assert str(e)
+        return
+    assert all(all("/" in a for a in v) for v in addrs.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(extra=st.dictionaries(_GOOD_KEYS, _VALUES, max_size=6), ip_text=_IP_TEXT)
+def test_fuzzed_changes_to_a_real_snapshot_raise_only_capture_error(extra: dict[str, str], ip_text: str) -> None:
+    try:
+        ports = linux_ports(_tb_host_with_two_peers() | extra, ip_text)
+    except CaptureError as e:
+        assert str(e)
+        return
+    _check(ports)
 
 
 # ---------------------------------------------------------------------------------------
@@ -438,6 +475,8 @@ en6: flags=8863<UP,BROADCAST,SMART,RUNNING,SIMPLEX,MULTICAST> mtu 1500
 \tstatus: active
 utun4: flags=8051<UP,POINTOPOINT,RUNNING,MULTICAST> mtu 1380
 \tinet 10.8.0.2 --> 10.8.0.1 netmask 0xffffffff
+en9: flags=8863<UP,BROADCAST,RUNNING,MULTICAST>  mtu 1500
+        inet 172.16.4.2  netmask 255.255.255.0  broadcast 172.16.4.255
 """
 
 
@@ -447,6 +486,7 @@ def test_ifconfig_netmasks_media_and_point_to_point() -> None:
     assert e["en3"].media_gbps == 10.0 and e["en3"].ipv4 == ()
     assert e["utun4"].ipv4 == ("10.8.0.2/32",)
     assert e["lo0"].ipv4 == ("127.0.0.1/8",)
+    assert e["en9"].ipv4 == ("172.16.4.2/24",) and e["en9"].status is None  # spaced-out columns
 
 
 @pytest.mark.parametrize(
