@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     state_dir(ring)
     ring.add_argument("--socket", type=Path, default=None, help="the agent's control socket (default: in --state-dir)")
     ring.add_argument("--json", action="store_true", help="print the status `ring` object")
+    ring.add_argument("--mlx-hostfile", action="store_true", help="print the MLX ring hostfile (MLX_HOSTFILE) of the committed ring")
+    ring.add_argument("--jaccl", action="store_true", help="print the JACCL device matrix and coordinator (RDMA rings)")
+    ring.add_argument("--base-port", type=int, default=47000, help="first data-plane port (rank i uses base+i)")
     ring_sub = ring.add_subparsers(dest="ring_command", required=False)
     solve = ring_sub.add_parser("solve", help="solve a described cabling (docs/ring.md) and print the ring")
     solve.add_argument("graph", type=Path, help="GRAPH.json: {\"nodes\": [...], \"links\": [...]}")
@@ -168,15 +171,43 @@ def _ask(args: argparse.Namespace) -> int:
         return EXIT_OK
     status = answer["status"]
     if args.command == "ring":
-        from p2pmesh.ring_view import draw
-
-        ring = status.get("ring") or {"epoch": 0, "order": [], "hops": []}
-        print(json.dumps(ring) if args.json else draw(ring, status["node_id"]))
-        return EXIT_OK
+        return _ring_show(args, status)
     if args.json:
         print(json.dumps(status))
     else:
         _print_status(status)
+    return EXIT_OK
+
+
+def _ring_show(args: argparse.Namespace, status: dict[str, Any]) -> int:
+    from p2pmesh.ring_view import draw
+
+    ring = status.get("ring") or {"epoch": 0, "order": [], "hops": []}
+    if not (args.mlx_hostfile or args.jaccl):
+        print(json.dumps(ring) if args.json else draw(ring, status["node_id"]))
+        return EXIT_OK
+    from p2pmesh.core.addressing import AddressingError, ring_from_status
+    from p2pmesh.core.mlx_hostfile import MlxConfigError, jaccl_coordinator, jaccl_devices, ring_hostfile
+
+    try:
+        view = ring_from_status(status)
+        if view is None:
+            print("p2pmesh: no ring is committed yet", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        if args.mlx_hostfile:
+            print(json.dumps(ring_hostfile(view.order, view.hops, args.base_port)))
+        if args.jaccl:
+            devices = jaccl_devices(view.order, view.hops)
+            if devices is None:
+                print("p2pmesh: not every hop of the ring is RDMA-capable (JACCL needs Thunderbolt 5 RDMA on every cable)", file=sys.stderr)
+                return EXIT_UNAVAILABLE
+            rank0 = next((m for m in status["members"] if m["node_id"] == view.order[0]), None)
+            address = next((a.rsplit(":", 1)[0] for a in (rank0 or {}).get("addresses", []) if a.count(":") == 1), None)
+            coordinator = jaccl_coordinator(view.order, view.hops, args.base_port, rank0_address=address)
+            print(json.dumps({"devices": devices, "coordinator": coordinator}))
+    except (AddressingError, MlxConfigError) as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     return EXIT_OK
 
 

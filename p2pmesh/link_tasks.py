@@ -22,6 +22,7 @@ import trio
 from p2pmesh.core import physical
 from p2pmesh.core.messages import LinkProbe, PortInfo
 from p2pmesh.core.machine import PortsObserved, ProbesMeasured
+from p2pmesh.core.validate import PORTS_MAX
 
 if TYPE_CHECKING:
     from p2pmesh.agent import Agent
@@ -44,7 +45,10 @@ async def watch_ports(agent: Agent) -> None:
     failing = False
     while True:  # runs for the agent's lifetime; cancelled with its nursery
         try:
-            ports = tuple(await linkwatch.detect_ports(interfaces=only))
+            found = await linkwatch.detect_ports(interfaces=only)
+            # Thunderbolt first, so a host with very many interfaces still publishes its
+            # cables within the bound the cluster accepts.
+            ports = tuple(sorted(found, key=lambda p: (p.kind != "thunderbolt", p.interface))[:PORTS_MAX])
             failing = False
         except Exception as exc:  # a tool failed: keep the last good view, say so once
             if not failing:
@@ -138,8 +142,9 @@ async def configure_links(agent: Agent) -> None:
         state = m.raft.state if m and m.raft else None
         if state is not None and state.ring_epoch != last_epoch:
             last_epoch = state.ring_epoch
+            present = {port.interface: port.ipv4 for port in (m.ports if m else ())}
             try:
-                commands = commands_for(agent.identity.node_id, plan_addresses(state.ring_hops), platform)
+                commands = commands_for(agent.identity.node_id, plan_addresses(state.ring_hops), platform, present=present)
             except AddressingError as exc:
                 log.warning("cannot plan data-plane addresses: %s", exc)
                 commands = []

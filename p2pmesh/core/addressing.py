@@ -195,22 +195,25 @@ def _cables(hops: Sequence[RingHop]) -> list[_Cable]:
                 _parse_ipv4(ip, name)
         if hop.kind not in ADDRESSED_KINDS:
             continue
+        pair: list[End] = []
         for node, iface in ((hop.src, hop.src_interface), (hop.dst, hop.dst_interface)):
             if iface is None:
                 raise AddressingError(f"{name}: no interface is known at {node}'s end, so it cannot be addressed")
             if not _IFACE.fullmatch(iface):
                 raise AddressingError(f"{name}: {iface!r} at {node}'s end is not an interface name")
-        a: End = (hop.src, hop.src_interface)  # type: ignore[assignment]
-        b: End = (hop.dst, hop.dst_interface)  # type: ignore[assignment]
+            pair.append((node, iface))
+        a, b = pair
         flip = b < a
         ends = (b, a) if flip else (a, b)
         reported = (hop.dst_ipv4, hop.src_ipv4) if flip else (hop.src_ipv4, hop.dst_ipv4)
         cable = _Cable(ends, reported, name)
         known = by_ident.get(cable.ident)
         if known is not None:
-            # The same cable seen from the other direction: fill in what the first hop lacked.
-            merged = tuple(x if x is not None else y for x, y in zip(known.reported, reported))
-            by_ident[cable.ident] = _Cable(known.ends, merged, known.hop)  # type: ignore[arg-type]
+            # The same cable seen from the other direction (a 2-node ring): merge what the two
+            # hops report, picking the smaller address if they disagree so hop order never matters.
+            both = [sorted(x for x in (k, r) if x is not None) for k, r in zip(known.reported, reported)]
+            merged = (both[0][0] if both[0] else None, both[1][0] if both[1] else None)
+            by_ident[cable.ident] = _Cable(known.ends, merged, min(known.hop, name))
             continue
         for end in ends:
             other = owner.get(end)

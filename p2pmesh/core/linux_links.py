@@ -83,6 +83,7 @@ SPEED_MBPS_MAX = 10_000_000
 
 MARKER_PREFIX = "p2pmesh:"
 _MARKER = re.compile(r"p2pmesh:thunderbolt domain=(\S+) peer=(\S+) gbps=(\S+)")
+_LAN_MARKER = re.compile(r"p2pmesh:ethernet gbps=(\S+)")
 # A bench UUID is a token, not necessarily RFC 4122: the bench owns both ends.
 _TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
@@ -115,11 +116,21 @@ def bench_alias(domain: str, peer: str, gbps: float) -> str:
 
 @dataclass(frozen=True, slots=True)
 class BenchMarker:
-    """What a bench marker says: this end's UUID, the other end's, the nominal speed."""
+    """What a bench marker says: the port's kind, this end's UUID and the other end's
+    (Thunderbolt only), the nominal speed."""
 
-    domain: str
-    peer: str
+    domain: str | None
+    peer: str | None
     gbps: float
+    kind: str = "thunderbolt"
+
+
+def bench_lan_alias(gbps: float) -> str:
+    """The ifalias text that marks a bench veth as an Ethernet port (the hosts' shared LAN
+    switch: veths are virtual, so without a marker they are skipped like any bridge)."""
+    if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not _sane_gbps(float(gbps)):
+        raise ValueError(f"bench gbps {gbps!r} must be a number in (0, {GBPS_MAX:g})")
+    return f"{MARKER_PREFIX}ethernet gbps={float(gbps)!r}"
 
 
 def parse_bench_alias(alias: str) -> BenchMarker | None:
@@ -128,6 +139,12 @@ def parse_bench_alias(alias: str) -> BenchMarker | None:
     text = alias.strip()
     if not text.startswith(MARKER_PREFIX):
         return None
+    lan = _LAN_MARKER.fullmatch(text)
+    if lan is not None:
+        gbps = _float(lan.group(1), "marker gbps")
+        if not _sane_gbps(gbps):
+            raise CaptureError(f"marker gbps {lan.group(1)!r} is out of range")
+        return BenchMarker(None, None, gbps, "ethernet")
     m = _MARKER.fullmatch(text)
     if m is None:
         raise CaptureError(f"ifalias {text[:80]!r} starts with {MARKER_PREFIX!r} but is not a p2pmesh marker")
@@ -204,7 +221,7 @@ def _linux_port(name: str, fs: _Sysfs, ipv4: tuple[str, ...]) -> PortInfo | None
     up = _carrier(name, attrs)
     marker = parse_bench_alias(attrs["ifalias"]) if "ifalias" in attrs else None
     if marker is not None:
-        return PortInfo(name, "thunderbolt", marker.domain, marker.peer, up, marker.gbps, ipv4, False)
+        return PortInfo(name, marker.kind, marker.domain, marker.peer, up, marker.gbps, ipv4, False)
     kind_type = attrs.get("type")
     if kind_type is not None and kind_type.strip() != ARPHRD_ETHER:
         return None  # loopback, tunnels, InfiniBand, CAN...: never a cable we pair

@@ -30,6 +30,10 @@ NETWORK_KIND = "network"
 """A hop over whatever IP path the control plane uses (no known cable): the slowest kind."""
 NOMINAL_GBPS = {"thunderbolt": 40.0, "ethernet": 1.0, "wifi": 0.5, NETWORK_KIND: 0.1}
 """Assumed speed when a port does not report one."""
+NEGOTIATE_EXPANSIONS_MAX = 50_000
+"""The leader solves in its event loop: this caps the worst case (odd cablings such as one
+Mac cabled to every other) near 150 ms; realistic cablings solve exactly in about 1 ms
+(scripts/bench_ring.py). A capped search still returns the same ring on every node."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +165,7 @@ def negotiate(state: ClusterState) -> SetRing | None:
     links = cables(state, members)
     nodes = [m.node_id for m in members]
     try:
-        ring = solve(nodes, [Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in links])
+        ring = solve(nodes, [Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in links], expansions_max=NEGOTIATE_EXPANSIONS_MAX)
     except RingError:
         return None  # cannot happen with network links; never propose nonsense
     hops = _describe(ring, links, {m.node_id: m for m in members})

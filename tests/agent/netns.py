@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pmesh.core.linux_links import bench_alias
+from p2pmesh.core.linux_links import bench_alias, bench_lan_alias
 from tests.agent.harness import AgentProc
 
 IP_TIMEOUT_S = 10
@@ -107,6 +107,7 @@ class Bench:
             ip("link", "add", f"lan{i}", "netns", host, "type", "veth", "peer", "name", f"sw{i}", "netns", self.switch)
             ip("-n", self.switch, "link", "set", f"sw{i}", "master", "br0", "up")
             ip("-n", host, "addr", "add", f"10.99.0.{i + 1}/24", "dev", f"lan{i}")
+            ip("-n", host, "link", "set", "dev", f"lan{i}", "alias", bench_lan_alias(10.0))
             ip("-n", host, "link", "set", f"lan{i}", "up", "multicast", "on")
 
     def set_link(self, cable: Cable, up: bool) -> None:

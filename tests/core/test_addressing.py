@@ -126,6 +126,9 @@ def test_a_reported_pair_is_kept_and_nothing_runs() -> None:
 def test_the_reverse_hop_fills_in_what_one_direction_lacks() -> None:
     plan = plan_addresses([hop(A, B, "en2", "en5", "10.9.0.1", None), hop(B, A, "en5", "en2", "10.9.0.2", None)])
     assert {x.address for x in plan} == {"10.9.0.1", "10.9.0.2"} and all(x.reused for x in plan)
+    # Two views that disagree about one end still give one plan, whatever the hop order.
+    hops = [hop(A, B, "en2", "en5", "10.9.0.9", "10.9.0.2"), hop(B, A, "en5", "en2", None, "10.9.0.1")]
+    assert plan_addresses(hops) == plan_addresses(hops[::-1]) == plan
 
 
 def test_existing_addresses_in_one_subnet_are_kept_with_their_prefix() -> None:
