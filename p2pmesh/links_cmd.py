@@ -45,9 +45,10 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 def add_parser(subparsers: Any) -> None:
     """Add `links parse|plan|apply` to an argparse subparsers object (from add_subparsers())."""
-    links = subparsers.add_parser("links", help="inspect Thunderbolt links; address the ring's cables")
-    # No subcommand prints this help (run() sees links_command None).
-    links.set_defaults(links_help=links.format_help)
+    links = subparsers.add_parser(
+        "links", help="show this Mac's ports live (no subcommand); parse captures; address the ring's cables"
+    )
+    links.add_argument("--json", action="store_true", help="with no subcommand: the live ports as JSON")
     links_sub = links.add_subparsers(dest="links_command", metavar="{parse,plan,apply}")
     parse = links_sub.add_parser("parse", help="parse saved system_profiler/networksetup captures")
     parse.add_argument(
@@ -85,11 +86,39 @@ def run(args: argparse.Namespace) -> int:
     """Execute a `links` subcommand; prints to stdout, errors to stderr as `p2pmesh: ...`."""
     command = getattr(args, "links_command", None)
     if command is None:
-        print(args.links_help(), end="")
-        return EXIT_OK
+        return _show(args)
     if command in ("plan", "apply"):
         return _plan_or_apply(args)
     return _parse(args)
+
+
+def _show(args: argparse.Namespace) -> int:
+    """The live ports of this machine, as the agent's link watcher sees them (system_profiler,
+    networksetup, ifconfig on a Mac; sysfs and `ip` on Linux)."""
+    import trio
+
+    from p2pmesh.drivers.linkwatch import ToolError, detect_ports
+
+    try:
+        ports = trio.run(detect_ports)
+    except (ToolError, CaptureError) as exc:
+        print(f"p2pmesh: cannot read this machine's ports: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    rows = [
+        {"interface": p.interface, "kind": p.kind, "domain_uuid": p.domain_uuid, "peer_domain_uuid": p.peer_domain_uuid,
+         "up": p.up, "gbps": p.gbps, "ipv4": list(p.ipv4), "rdma": p.rdma}
+        for p in ports
+    ]
+    if args.json:
+        print(json.dumps(rows))
+        return EXIT_OK
+    if not rows:
+        print("no network ports found")
+    for r in rows:
+        peer = f" -> peer {r['peer_domain_uuid']}" if r["peer_domain_uuid"] else ""
+        speed = f" {r['gbps']:g} Gb/s" if r["gbps"] else ""
+        print(f"{r['interface']:14} {r['kind']:11} {'up' if r['up'] else 'down':4}{speed}{peer} {' '.join(r['ipv4'])}")
+    return EXIT_OK
 
 
 def _read(path: Path, what: str) -> str:

@@ -100,8 +100,8 @@ def test_plan_refuses_bad_input_with_exit_2(tmp_path: Path, content: str, match:
     assert r.returncode == 2 and "cannot read" in r.stderr
 
 
-def test_links_without_subcommand_prints_help() -> None:
-    r = _p2pmesh("links")
+def test_links_help_names_every_subcommand() -> None:
+    r = _p2pmesh("links", "--help")
     assert r.returncode == 0
     assert all(word in r.stdout for word in ("parse", "plan", "apply"))
 
@@ -282,5 +282,34 @@ def test_apply_refuses_a_plan_that_clashes_with_a_local_address(tmp_path: Path) 
         r = _p2pmesh("links", "apply", "--yes", "--status-file", str(path), prefix=bench.exec_prefix(0))
         assert r.returncode == 2, r.stdout + r.stderr
         assert "never leave this Mac" in r.stdout and "clashes" in r.stderr
+    finally:
+        bench.close()
+
+
+def test_bare_links_shows_the_live_ports_of_a_namespace_host() -> None:
+    """`p2pmesh links` (no subcommand) runs the agent's link watcher: inside a bench host it
+    finds the Thunderbolt-marked cable end with both domain UUIDs and its address, and the
+    LAN port."""
+    require_root()
+    bench = Bench.create(2)
+    try:
+        bench.lan()
+        cable = bench.plug(0, 1, thunderbolt=True, gbps=40.0)
+        out = subprocess.run(
+            [*bench.exec_prefix(0), sys.executable, "-m", "p2pmesh", "links", "--json"],
+            cwd=ROOT, capture_output=True, text=True, timeout=30,
+        )
+        assert out.returncode == 0, out.stderr
+        ports = {p["interface"]: p for p in json.loads(out.stdout)}
+        tb = ports[cable.dev_a]
+        assert tb["kind"] == "thunderbolt" and tb["up"] and tb["gbps"] == 40.0
+        assert tb["domain_uuid"] and tb["peer_domain_uuid"] and tb["domain_uuid"] != tb["peer_domain_uuid"]
+        assert tb["ipv4"] == [f"{cable.addr_a}/30"]
+        assert ports["lan0"]["kind"] == "ethernet" and ports["lan0"]["ipv4"] == ["10.99.0.1/24"]
+        text = subprocess.run(
+            [*bench.exec_prefix(0), sys.executable, "-m", "p2pmesh", "links"],
+            cwd=ROOT, capture_output=True, text=True, timeout=30,
+        )
+        assert text.returncode == 0 and cable.dev_a in text.stdout and "thunderbolt" in text.stdout
     finally:
         bench.close()
