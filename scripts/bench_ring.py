@@ -5,8 +5,10 @@
 
 Generated cablings of 16 Macs: a Thunderbolt ring in random order plus 8, 16 or 32 random
 extra links of mixed kinds (a Mac has a handful of ports, so real graphs are sparse), and a
-dense case (a random Ethernet/Wi-Fi link between most pairs). Baseline in the same run: the
-same solver on the bare 16-node ring (the least work possible).
+dense case (a random Ethernet/Wi-Fi link between most pairs), and the graphs a cluster
+itself negotiates (core/physical.py): random Thunderbolt cables with no full ring (islands,
+lines) plus a slow "network" path between every pair no cable joins. Baseline in the same
+run: the same solver on the bare 16-node ring (the least work possible).
 """
 from __future__ import annotations
 
@@ -39,6 +41,16 @@ def graph(rng: random.Random, extra: int, dense: bool) -> tuple[list[str], list[
     return nodes, links
 
 
+def cluster_graph(rng: random.Random) -> tuple[list[str], list[Link]]:
+    nodes = [f"m{i:02d}" for i in range(16)]
+    order = nodes[:]
+    rng.shuffle(order)
+    links = [Link(order[i], order[i + 1], "thunderbolt", 40.0, rng.uniform(0.1, 0.5)) for i in range(15) if rng.random() < 0.6]
+    joined = {frozenset((l.a, l.b)) for l in links}
+    links += [Link(a, b, "network", 0.1) for i, a in enumerate(nodes) for b in nodes[i + 1 :] if frozenset((a, b)) not in joined]
+    return nodes, links
+
+
 def timed(nodes: list[str], links: list[Link]) -> tuple[float, bool]:
     t = time.perf_counter()
     ring = solve(nodes, links)
@@ -59,6 +71,10 @@ def main() -> int:
         ms = [r[0] for r in runs]
         exact = sum(1 for r in runs if r[1])
         print(f"| {label} | {statistics.median(ms):.2f} | {max(ms):.1f} | {exact}/{len(runs)} | {statistics.median(ms) / base:.1f} |")
+    runs = [timed(*cluster_graph(rng)) for _ in range(args.graphs)]
+    ms = [r[0] for r in runs]
+    exact = sum(1 for r in runs if r[1])
+    print(f"| cluster graph: Thunderbolt islands + network paths | {statistics.median(ms):.2f} | {max(ms):.1f} | {exact}/{len(runs)} | {statistics.median(ms) / base:.1f} |")
     return 0
 
 

@@ -197,6 +197,38 @@ def solve(nodes: list[str], links: list[Link], *, expansions_max: int = EXPANSIO
     all_hops = [hop[i][j] for i in range(size) for j in neighbours[i]]
     fast_rtt = min((h.rtt_ms for h in all_hops if h.slow == 0), default=0.0)  # type: ignore[union-attr]
     slow_rtt = min((h.rtt_ms for h in all_hops if h.slow == 1), default=0.0)  # type: ignore[union-attr]
+    by_rtt = [sorted(neighbours[i], key=lambda j, i=i: hop[i][j].rtt_ms) for i in range(size)]  # type: ignore[union-attr]
+
+    def half_degree(cur: int, mask: int) -> float:
+        """A lower bound on the latency of the rest of the ring (cur -> every node of mask
+        -> node 0): each node of mask is entered and left by one hop each, cur is left and 0
+        entered by one; every hop is shared by two ends, so half the cheapest usable hops at
+        every end bound the sum. Infinite when some node cannot be passed through at all."""
+        if not mask:
+            back = hop[cur][0]
+            return back.rtt_ms if back is not None else float("inf")
+        allowed = mask | (1 << cur) | 1
+        total = 0.0
+        rest = mask
+        while rest:
+            bit = rest & -rest
+            rest &= rest - 1
+            v = bit.bit_length() - 1
+            found = 0
+            for u in by_rtt[v]:
+                if allowed >> u & 1:
+                    total += hop[v][u].rtt_ms  # type: ignore[union-attr]
+                    found += 1
+                    if found == 2:
+                        break
+            if found < 2:
+                return float("inf")
+        for end in (cur, 0):
+            u = next((u for u in by_rtt[end] if mask >> u & 1), None)
+            if u is None:
+                return float("inf")
+            total += hop[end][u].rtt_ms  # type: ignore[union-attr]
+        return total / 2
 
     def groups(mask: int) -> int:
         count = 0
@@ -260,7 +292,10 @@ def solve(nodes: list[str], links: list[Link], *, expansions_max: int = EXPANSIO
                         left = size - len(path)  # hops still to take after this one
                         need_slow = min(left, s_lb - s)
                         by_kind = (left - need_slow) * min(fast_rtt, slow_rtt) + need_slow * slow_rtt
-                        bound = round(lat + max(to_come[0] - min_in[j], by_kind), 9)
+                        cheapest = max(to_come[0] - min_in[j], by_kind)
+                        if lat + cheapest <= blat + 1e-9:
+                            cheapest = max(cheapest, half_degree(j, unvisited[0] & ~(1 << j)))
+                        bound = round(lat + cheapest, 9)
                         if bound > blat + 1e-9:
                             continue
                         if bound >= blat - 1e-9 and tuple(path) + (j,) > bpath[: len(path) + 1]:
