@@ -158,6 +158,7 @@ class Agent:
             await nursery.start(control.serve, cfg.socket_path, self)
             nursery.start_soon(link_tasks.watch_ports, self)
             nursery.start_soon(link_tasks.probes, self, bound_port + link_tasks.PROBE_PORT_OFFSET)
+            nursery.start_soon(link_tasks.warn_bridges, self)
             if cfg.configure_links:
                 nursery.start_soon(link_tasks.configure_links, self)
             await self._act(ready)

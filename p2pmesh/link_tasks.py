@@ -8,6 +8,7 @@ or reads the committed state the core task applied; none of them touches the Mac
 - probes: serves the bounded probe protocol on this Mac's Thunderbolt addresses only (never
   on other interfaces), and probes every cabled peer after each ring change and then every
   PROBE_PERIOD_S;
+- warn_bridges: after each ring epoch, warns when a bridge joins this Mac's ring cables;
 - configure_links: after each ring epoch, adds the planned /30 addresses for this Mac's ring
   cables (p2pmesh links plan shows the same commands).
 """
@@ -127,6 +128,37 @@ async def probes(agent: Agent, port: int) -> None:
                 if results or (m is not None and m.probes):
                     await agent.inbox_send.send(ProbesMeasured(tuple(results)))
             await trio.sleep(PROBE_CHECK_S)
+
+
+async def warn_bridges(agent: Agent) -> None:
+    """After every ring change, warn (once per distinct warning) when a bridge joins this
+    Mac's ring cables (macOS's Thunderbolt Bridge does by default): a loop that can flood
+    the network. Only a warning: the user decides (docs/links.md)."""
+    from p2pmesh.core.addressing import bridge_warnings
+    from p2pmesh.drivers.netconfig import NetconfigError, gather_bridges
+
+    platform = "darwin" if sys.platform == "darwin" else "linux"
+    said: set[str] = set()
+    last_epoch = -1
+    while True:
+        m = agent.machine
+        state = m.raft.state if m and m.raft else None
+        if state is not None and state.ring_epoch != last_epoch:
+            last_epoch = state.ring_epoch
+            me = agent.identity.node_id
+            mine = {h.src_interface for h in state.ring_hops if h.src == me and h.src_interface}
+            mine |= {h.dst_interface for h in state.ring_hops if h.dst == me and h.dst_interface}
+            if mine:
+                try:
+                    bridges = await gather_bridges()
+                except NetconfigError as exc:
+                    log.debug("cannot list bridges: %s", exc)
+                    bridges = {}
+                for warning in bridge_warnings(bridges, mine, platform=platform):
+                    if warning not in said:
+                        said.add(warning)
+                        log.warning("%s", warning)
+        await trio.sleep(1.0)
 
 
 async def configure_links(agent: Agent) -> None:

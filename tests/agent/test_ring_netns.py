@@ -5,14 +5,16 @@ Mac and plugging back each produce the right new ring."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.agent.harness import AgentProc, one_cluster, wait_for
-from tests.agent.netns import Bench, require_root
+from tests.agent.harness import ROOT, AgentProc, one_cluster, wait_for
+from tests.agent.netns import Bench, ip, require_root
 
 FORM_TIMEOUT_S = 40
 RING_TIMEOUT_S = 15
@@ -96,6 +98,13 @@ def test_square_ring_follows_the_cables_unplug_and_replug(square) -> None:  # ty
 
     bench.set_link(bench.cables[0], up=True)
     ring = wait_for(lambda: (r := _ring(agents[1])) and _square_ring(r, ids) and r, RING_TIMEOUT_S, "the square ring back")
+    # The terminal drawing names the epoch, the cables and their speed.
+    for command in (["ring"], ["status"]):
+        out = subprocess.run([sys.executable, "-m", "p2pmesh", *command, "--state-dir", str(agents[1].state_dir)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=20)
+        assert out.returncode == 0, out.stderr
+        assert f"ring epoch {ring['epoch']}: 4 nodes" in out.stdout and "thunderbolt 40 Gb/s" in out.stdout
+        assert "(this Mac)" in out.stdout
 
 
 def test_a_dead_mac_leaves_the_ring(square) -> None:  # type: ignore[no-untyped-def]
@@ -113,3 +122,29 @@ def test_a_dead_mac_leaves_the_ring(square) -> None:  # type: ignore[no-untyped-
     wait_for(without_victim, RING_TIMEOUT_S, "a ring of the three live Macs")
     r = _ring(alive[0])
     assert r is not None and len(r["slow_hops"]) == 1  # three Macs of a square: a line plus one LAN hop
+
+
+def test_a_bridge_over_a_ring_cable_is_warned_about_and_left_alone(tmp_path: Path) -> None:
+    """A ring cable enslaved to a bridge (what macOS's Thunderbolt Bridge does) gets a
+    warning in the agent's log with the fix, and the agent changes nothing."""
+    require_root()
+    bench = Bench.create(2)
+    agents: list[AgentProc] = []
+    try:
+        bench.lan()
+        cable = bench.plug(0, 1, thunderbolt=True)
+        host = bench.hosts[0]
+        ip("-n", host, "link", "add", "tbbridge", "type", "bridge")
+        ip("-n", host, "link", "set", cable.dev_a, "master", "tbbridge")
+        agents = bench.agents(tmp_path, _key(tmp_path), tag="br")
+        for a in agents:
+            a.start()
+        wait_for(lambda: one_cluster(agents, 2), FORM_TIMEOUT_S, "one cluster of 2")
+        wait_for(lambda: "tbbridge bridges the ring interface" in agents[0].log_text(), RING_TIMEOUT_S, "the bridge warning")
+        assert "nomaster" in agents[0].log_text()
+        members = ip("-n", host, "link", "show", "master", "tbbridge").stdout
+        assert cable.dev_a in members  # still bridged: p2pmesh only warns
+    finally:
+        for a in agents:
+            a.stop()
+        bench.close()
