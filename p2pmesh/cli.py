@@ -68,9 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     solve.add_argument("graph", type=Path, help="GRAPH.json: {\"nodes\": [...], \"links\": [...]}")
     solve.add_argument("--json", action="store_true")
 
-    from p2pmesh import links_cmd
+    from p2pmesh import links_cmd, plan_cmd
 
     links_cmd.add_parser(sub)
+    plan_cmd.add_parser(sub)
 
     key = sub.add_parser("key", help="show or install the cluster key")
     key_sub = key.add_subparsers(dest="key_command", required=True)
@@ -94,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         from p2pmesh import links_cmd
 
         return links_cmd.run(args)
+    if args.command == "plan":
+        from p2pmesh import plan_cmd
+
+        return plan_cmd.run(args)
     return _key(args)
 
 
