@@ -21,23 +21,28 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
 
-from p2pmesh import link_tasks
-from p2pmesh.core import wire
+from p2pmesh import link_tasks, models
+from p2pmesh.core import validate, wire
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.machine import (
     FrameReceived,
     Input,
+    GenerateRequested,
     LeaveRequested,
     Machine,
     PeerDiscovered,
+    ProposalRequested,
     Ready,
     TimerFired,
 )
-from p2pmesh.core.messages import Capabilities, PortInfo
+from p2pmesh.core.messages import Capabilities, PortInfo, SetModel
+from p2pmesh.core.serving import ClientEvent, GenerateParams
+from p2pmesh.workers import Supervisor
 from p2pmesh.ring_view import ring_json
 from p2pmesh.core.settings import Settings
 from p2pmesh.drivers import control, keys
@@ -52,6 +57,10 @@ log = logging.getLogger("p2pmesh.agent")
 
 INBOX_LEN_MAX = 4096
 DEFAULT_PORT = 7741
+DEFAULT_CONTEXT_TOKENS = 4096
+CLIENT_EVENTS_MAX = 8192
+PROMPT_CHARS_MAX = 1 << 20
+MAX_TOKENS_MAX = 1 << 16
 
 
 def default_state_dir() -> Path:
@@ -75,6 +84,12 @@ class AgentConfig:
     mdns: bool = True
     configure_links: bool = False
     """Add the planned data-plane addresses to this Mac's ring interfaces (explicit consent)."""
+    data_port_base: int = 47000
+    """Workers of data-plane epoch E listen on base + (E mod 64) * 16 + rank."""
+    model_root: Path | None = None
+    """Where relative model names are looked up (tests and the demo; default: as given)."""
+    memory_limit_bytes: int | None = None
+    """Offer at most this much memory to the cluster (a Mac someone also works on)."""
 
     @property
     def socket_path(self) -> Path:
@@ -111,6 +126,9 @@ class Agent:
         self.left = trio.Event()
         self.control_active = 0
         self.started_ms = 0
+        self.clients: dict[str, trio.MemorySendChannel[ClientEvent]] = {}
+        self.supervisor = Supervisor(self, base_port=config.data_port_base, model_root=config.model_root)
+        self._requests = 0
 
     @staticmethod
     def now_ms() -> int:
@@ -159,6 +177,8 @@ class Agent:
             nursery.start_soon(link_tasks.watch_ports, self)
             nursery.start_soon(link_tasks.probes, self, bound_port + link_tasks.PROBE_PORT_OFFSET)
             nursery.start_soon(link_tasks.warn_bridges, self)
+            nursery.start_soon(self.supervisor.run)
+            nursery.start_soon(models.measure_loop, self)
             if cfg.configure_links:
                 nursery.start_soon(link_tasks.configure_links, self)
             await self._act(ready)
@@ -201,22 +221,82 @@ class Agent:
         if ready.applied and self.machine is not None and self.machine.raft is not None:
             for m in self.machine.raft.state.members:
                 transport.learn(m.node_id, m.addresses)
+        for submit in ready.submits:
+            await self.supervisor.submit(submit)
+        for event in ready.client:
+            channel = self.clients.get(event.req)
+            if channel is not None:
+                try:
+                    channel.send_nowait(event)
+                except trio.WouldBlock:  # a client that stopped reading: drop it, not the loop
+                    self.clients.pop(event.req, None)
+                    channel.close()
         if ready.left:
             self.left.set()
 
     def request_leave(self) -> None:
         self.inbox_send.send_nowait(LeaveRequested())
 
+    async def set_model(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Control op `model`: serve this model (or none), cluster-wide."""
+        name = request.get("name")
+        context = request.get("context_tokens", DEFAULT_CONTEXT_TOKENS)
+        if name is None:
+            await self.inbox_send.send(ProposalRequested(SetModel(None)))
+            return {"ok": True, "model": None}
+        if not isinstance(name, str) or not isinstance(context, int) or isinstance(context, bool) or not 1 <= context <= 1 << 22:
+            return {"ok": False, "error": "model needs a name (path or Hugging Face id) and 1 <= context_tokens <= 4194304"}
+        root = self.config.model_root
+        local = str(root / name) if root is not None and not Path(name).is_absolute() else name
+        try:
+            path = await trio.to_thread.run_sync(models.resolve, local)
+            info = await trio.to_thread.run_sync(models.describe, name, path, context)
+        except models.ModelError as exc:
+            return {"ok": False, "error": str(exc)}
+        problem = validate.model_problem(info)
+        if problem is not None:
+            return {"ok": False, "error": problem}
+        await self.inbox_send.send(ProposalRequested(SetModel(info)))
+        return {"ok": True, "model": {"name": info.name, "layers": info.layers, "layer_bytes": info.layer_bytes,
+                                      "context_tokens": info.context_tokens}}
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Control op `generate`: stream a generation's tokens (this agent is its origin)."""
+        try:
+            params = _generate_params(request)
+        except ValueError as exc:
+            yield {"ok": False, "final": True, "error": str(exc)}
+            return
+        self._requests += 1
+        req = f"{self.identity.node_id[:8]}-{os.getpid()}-{self._requests}"
+        send, receive = trio.open_memory_channel[ClientEvent](CLIENT_EVENTS_MAX)
+        self.clients[req] = send
+        try:
+            await self.inbox_send.send(GenerateRequested(req, params))
+            async for event in receive:
+                out: dict[str, Any] = {"ok": True, "id": req, "tokens": list(event.tokens), "text": event.text}
+                if event.done:
+                    out.update(final=True, finish=event.finish)
+                    if event.finish == "error":
+                        out.update(ok=False, error=event.text)
+                yield out
+                if event.done:
+                    return
+            yield {"ok": False, "final": True, "error": "the client fell too far behind the stream"}
+        finally:
+            self.clients.pop(req, None)
+
     def status(self) -> dict[str, Any]:
         m = self.machine
         if m is None:
             return {"node_id": self.identity.node_id, "pid": os.getpid(), "cluster_id": None, "role": "starting",
                     "term": 0, "leader": None, "commit_index": 0, "applied_index": 0, "healthy": False,
-                    "members": [], "ring": None, "state_dir": str(self.config.state_dir)}
+                    "members": [], "ring": None, "placement": None, "state_dir": str(self.config.state_dir)}
         st = m.status()
         r = m.raft
         members = []
         ring: dict[str, Any] | None = None
+        placement: dict[str, Any] | None = None
         if r is not None:
             for mem in r.state.members:
                 members.append({
@@ -224,6 +304,7 @@ class Agent:
                     "ports": [_port_json(p) for p in mem.ports],
                 })
             ring = ring_json(r.state)
+            placement = placement_json(r.state)
         return {
             "node_id": st.node_id,
             "pid": os.getpid(),
@@ -236,8 +317,49 @@ class Agent:
             "healthy": st.healthy,
             "members": members,
             "ring": ring,
+            "placement": placement,
+            "requests_resumed": m.router.resumed,
             "state_dir": str(self.config.state_dir),
         }
+
+
+def _generate_params(r: dict[str, Any]) -> GenerateParams:
+    """Validate a generate request (the client's fault when it is wrong)."""
+    prompt, tokens = r.get("prompt"), r.get("prompt_tokens")
+    if prompt is None and not tokens:
+        raise ValueError("generate needs a prompt (text) or prompt_tokens")
+    if prompt is not None and (not isinstance(prompt, str) or len(prompt) > PROMPT_CHARS_MAX):
+        raise ValueError(f"prompt must be text of at most {PROMPT_CHARS_MAX} characters")
+    if tokens is not None and (not isinstance(tokens, list) or len(tokens) > PROMPT_CHARS_MAX
+                               or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in tokens)):
+        raise ValueError("prompt_tokens must be a list of token ids")
+    max_tokens, temperature, top_p, seed = r.get("max_tokens", 256), r.get("temperature", 0.0), r.get("top_p", 1.0), r.get("seed", 0)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_TOKENS_MAX:
+        raise ValueError(f"max_tokens must be an integer from 1 to {MAX_TOKENS_MAX}")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 10:
+        raise ValueError("temperature must be a number from 0 (greedy) to 10")
+    if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
+        raise ValueError("top_p must be a number in (0, 1]")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 31:
+        raise ValueError("seed must be an integer from 0 to 2**31-1")
+    return GenerateParams(prompt, tuple(tokens or ()), max_tokens, float(temperature), float(top_p), seed)
+
+
+def placement_json(state: Any) -> dict[str, Any]:
+    """The status `placement` object: the serving epoch's stages (and a pending one)."""
+    def stages(ss: Any) -> list[dict[str, Any]]:
+        return [{"node_id": s.node_id, "layers": [s.start, s.end]} for s in ss]
+
+    up = {m.node_id for m in state.members if m.up}
+    out: dict[str, Any] = {
+        "epoch": state.active_epoch,
+        "model": state.model.name if state.model else None,
+        "stages": stages(state.active),
+        "serving": bool(state.active) and all(s.node_id in up for s in state.active),
+    }
+    if state.placement_epoch > state.active_epoch:
+        out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), "ready": list(state.ready)}
+    return out
 
 
 def _port_json(p: PortInfo) -> dict[str, Any]:

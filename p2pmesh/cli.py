@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add the data-plane IPv4 addresses `p2pmesh links plan` prints (never done without this flag)",
     )
+    agent.add_argument("--memory-limit", type=int, default=None, metavar="BYTES",
+                       help="offer at most this much memory for model layers (default: what the Mac allows)")
+    agent.add_argument("--data-port", type=int, default=47000, help="first port of the data-plane workers")
     agent.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     agent.add_argument("--log-format", default="text", choices=["text", "json"])
 
@@ -73,6 +76,26 @@ def _parser() -> argparse.ArgumentParser:
     links_cmd.add_parser(sub)
     plan_cmd.add_parser(sub)
 
+    model = sub.add_parser("model", help="choose the model the cluster serves")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    mset = model_sub.add_parser("set", help="serve this model (a local Hugging Face-layout directory or a Hugging Face id)")
+    mset.add_argument("name")
+    mset.add_argument("--context-tokens", type=int, default=4096, help="context length the KV cache is sized for")
+    model_sub.add_parser("clear", help="serve no model")
+    for sp in (mset, model_sub.choices["clear"]):
+        state_dir(sp)
+        sp.add_argument("--socket", type=Path, default=None)
+
+    gen = sub.add_parser("generate", help="generate text with the cluster's model (streams to stdout)")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--json", action="store_true", help="one JSON object per event")
+    state_dir(gen)
+    gen.add_argument("--socket", type=Path, default=None)
+
     key = sub.add_parser("key", help="show or install the cluster key")
     key_sub = key.add_subparsers(dest="key_command", required=True)
     show = key_sub.add_parser("show", help="print the cluster key (install it on another Mac with `key set`)")
@@ -95,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         from p2pmesh import links_cmd
 
         return links_cmd.run(args)
+    if args.command == "model":
+        return _model(args)
+    if args.command == "generate":
+        return _generate(args)
     if args.command == "plan":
         from p2pmesh import plan_cmd
 
@@ -148,6 +175,8 @@ def _agent(args: argparse.Namespace) -> int:
         advertise=tuple(args.advertise),
         leave_on_exit=args.leave_on_exit,
         configure_links=args.configure_links,
+        memory_limit_bytes=args.memory_limit,
+        data_port_base=args.data_port,
     )
     try:
         return trio.run(run_agent, config)
@@ -226,6 +255,43 @@ def _print_status(s: dict[str, Any]) -> None:
         from p2pmesh.ring_view import draw
 
         print(draw(s["ring"], s["node_id"]))
+
+
+def _model(args: argparse.Namespace) -> int:
+    from p2pmesh.drivers.control import ControlError, request
+
+    path = args.socket or args.state_dir / "agent.sock"
+    fields: dict[str, Any] = {"name": None}
+    if args.model_command == "set":
+        fields = {"name": args.name, "context_tokens": args.context_tokens}
+    try:
+        answer = request(path, "model", timeout_s=600.0, **fields)
+    except ControlError as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    model = answer.get("model")
+    print(f"serving {model['name']} ({model['layers']} layers)" if model else "serving no model")
+    return EXIT_OK
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from p2pmesh.drivers.control import ControlError, stream
+
+    path = args.socket or args.state_dir / "agent.sock"
+    fields = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "top_p": args.top_p, "seed": args.seed}
+    try:
+        for event in stream(path, "generate", **fields):
+            if args.json:
+                print(json.dumps(event), flush=True)
+            else:
+                print(event.get("text", ""), end="", flush=True)
+    except ControlError as exc:
+        print(f"\np2pmesh: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if not args.json:
+        print()
+    return EXIT_OK
 
 
 def _key(args: argparse.Namespace) -> int:

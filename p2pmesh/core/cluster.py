@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.messages import (
+    ActivatePlacement,
     AddLearner,
     ClusterState,
     Command,
@@ -24,11 +25,15 @@ from p2pmesh.core.messages import (
     Noop,
     Peer,
     Promote,
+    PublishMeasure,
     PublishPorts,
     Put,
     RemoveMember,
+    SetModel,
+    SetPlacement,
     SetRing,
     UpdateMember,
+    WorkerReady,
 )
 
 KV_KEYS_MAX = 4096
@@ -87,13 +92,16 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
         # The ring keeps its epoch and order minus the node; the leader proposes a new one.
         ring = tuple(n for n in state.ring if n != cmd.node_id)
         hops = tuple(h for h in state.ring_hops if cmd.node_id not in (h.src, h.dst))
-        return replace(state, members=members, ring=ring, ring_hops=hops)
-    if isinstance(cmd, (Promote, MarkDown, MarkUp, UpdateMember, PublishPorts)):
+        ready = tuple(n for n in state.ready if n != cmd.node_id)
+        return replace(state, members=members, ring=ring, ring_hops=hops, ready=ready)
+    if isinstance(cmd, (Promote, MarkDown, MarkUp, UpdateMember, PublishPorts, PublishMeasure)):
         return replace(state, members=tuple(_update_member(m, cmd) for m in state.members))
     if isinstance(cmd, SetRing):
         if cmd.epoch <= state.ring_epoch:
             return state  # a stale proposal from an earlier leader
         return replace(state, ring_epoch=cmd.epoch, ring=cmd.order, ring_hops=cmd.hops)
+    if isinstance(cmd, (SetModel, SetPlacement, WorkerReady, ActivatePlacement)):
+        return _apply_dataplane(state, cmd)
     if isinstance(cmd, Put):
         kv = dict(state.kv)
         if cmd.key in kv or len(kv) < KV_KEYS_MAX:
@@ -102,7 +110,40 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
     raise AssertionError(f"unknown command {cmd!r}")
 
 
-def _update_member(m: Member, cmd: Promote | MarkDown | MarkUp | UpdateMember | PublishPorts) -> Member:
+def _apply_dataplane(state: ClusterState, cmd: SetModel | SetPlacement | WorkerReady | ActivatePlacement) -> ClusterState:
+    """The model and the data-plane epochs (core/dataplane.py decides; this only records).
+    A placement starts pending; it serves once ActivatePlacement commits (make before
+    break), except an empty one (serve nothing), which takes effect at once."""
+    if isinstance(cmd, SetModel):
+        return replace(state, model=cmd.model)
+    if isinstance(cmd, SetPlacement):
+        if cmd.epoch <= state.placement_epoch:
+            return state  # a stale proposal from an earlier leader
+        state = replace(
+            state,
+            placement_epoch=cmd.epoch,
+            placement=cmd.stages,
+            placement_ring_epoch=cmd.ring_epoch,
+            placement_hops=cmd.hops,
+            ready=(),
+        )
+        if not cmd.stages:
+            state = replace(state, active_epoch=cmd.epoch, active=(), active_hops=())
+        return state
+    if isinstance(cmd, WorkerReady):
+        member = find_member(state, cmd.node_id)
+        staged = any(s.node_id == cmd.node_id for s in state.placement)
+        if cmd.epoch != state.placement_epoch or member is None or member.inc != cmd.inc or not staged:
+            return state
+        if cmd.node_id in state.ready:
+            return state
+        return replace(state, ready=tuple(sorted((*state.ready, cmd.node_id))))
+    if cmd.epoch != state.placement_epoch or cmd.epoch <= state.active_epoch:
+        return state
+    return replace(state, active_epoch=cmd.epoch, active=state.placement, active_hops=state.placement_hops)
+
+
+def _update_member(m: Member, cmd: Promote | MarkDown | MarkUp | UpdateMember | PublishPorts | PublishMeasure) -> Member:
     if m.node_id != cmd.node_id or m.inc != cmd.inc:
         return m
     if isinstance(cmd, Promote):
@@ -113,6 +154,8 @@ def _update_member(m: Member, cmd: Promote | MarkDown | MarkUp | UpdateMember | 
         return replace(m, up=True)
     if isinstance(cmd, PublishPorts):
         return replace(m, ports=cmd.ports, probes=cmd.probes)
+    if isinstance(cmd, PublishMeasure):
+        return replace(m, measure=cmd.measure)
     return replace(m, addresses=cmd.addresses, caps=cmd.caps)
 
 

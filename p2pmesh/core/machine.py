@@ -44,23 +44,29 @@ from p2pmesh.core.messages import (
     Header,
     Hello,
     JoinReply,
+    InferRequest,
+    InferTokens,
     JoinRequest,
     LinkProbe,
     MarkDown,
+    Measure,
     MarkUp,
     MESSAGE_TYPES,
     Message,
     Peer,
     PortInfo,
     Promote,
+    PublishMeasure,
     PublishPorts,
     RemovalNotice,
     RemoveMember,
     Snapshot,
+    WorkerReady,
 )
 from p2pmesh.core.raft import HardState, Raft, RaftOutput, Role
+from p2pmesh.core.serving import ClientEvent, GenerateParams, Router, WorkerSubmit
 from p2pmesh.core.settings import Settings
-from p2pmesh.core import physical, validate, wire
+from p2pmesh.core import dataplane, physical, validate, wire
 
 INC_MAX = 2**63 - 1
 _EVENT_NAMES = {
@@ -136,6 +142,41 @@ class ProbesMeasured:
     probes: tuple[LinkProbe, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class ModelMeasured:
+    """This node measured the cluster's model: its usable memory and one layer's time."""
+
+    measure: Measure
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoaded:
+    """This node's worker for data-plane ``epoch`` loaded its layers and joined its group."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequested:
+    """A local client asked for a generation (``req`` is unique on this node)."""
+
+    req: str
+    params: GenerateParams
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOutput:
+    """The local head worker of ``epoch`` streamed tokens (or finished) for a request."""
+
+    epoch: int
+    req: str
+    tokens: tuple[int, ...]
+    text: str
+    done: bool
+    finish: str
+    prompt_tokens: tuple[int, ...]
+
+
 Input = (
     FrameReceived
     | PeerDiscovered
@@ -146,6 +187,10 @@ Input = (
     | LeaveRequested
     | PortsObserved
     | ProbesMeasured
+    | ModelMeasured
+    | WorkerLoaded
+    | GenerateRequested
+    | WorkerOutput
 )
 
 
@@ -199,6 +244,10 @@ class Ready:
     reads: list[tuple[int, bool]] = field(default_factory=list)
     events: list[ClusterEvent] = field(default_factory=list)
     left: bool = False
+    submits: list[WorkerSubmit] = field(default_factory=list)
+    """Requests for the local head worker (after the messages)."""
+    client: list[ClientEvent] = field(default_factory=list)
+    """Tokens and ends of requests local clients asked for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +321,13 @@ class Machine:
         self.ports: tuple[PortInfo, ...] = ()
         self.probes: tuple[LinkProbe, ...] = ()
         self._ports_sent_ms = -(10**9)
+        self.measure: Measure | None = None
+        self._measure_sent_ms = -(10**9)
+        self.loaded: set[int] = set()
+        """Data-plane epochs whose local worker reported ready."""
+        self._ready_sent: dict[int, int] = {}
+        self._placement_checked_at: tuple[int, int] = (-1, -1)
+        self.router = Router(node_id)
         self._ring_checked_at: tuple[int, int] = (-1, -1)
         """(term, applied index) at which the leader last compared the ring (solving is
         the costliest pure step, so it runs once per state change, not per input)."""
@@ -393,12 +449,21 @@ class Machine:
             self.ports = event.ports
         elif isinstance(event, ProbesMeasured):
             self.probes = event.probes
+        elif isinstance(event, ModelMeasured):
+            self.measure = event.measure
+        elif isinstance(event, WorkerLoaded):
+            self.loaded = {e for e in self.loaded if e >= event.epoch - 2} | {event.epoch}
+        elif isinstance(event, GenerateRequested):
+            self.router.requested(event.req, event.params, now_ms)
+        elif isinstance(event, WorkerOutput):
+            self.router.worker_event(event.epoch, event.req, event.tokens, event.text, event.done, event.finish, event.prompt_tokens)
         elif isinstance(event, LeaveRequested):
             if not self.leaving:
                 self.leaving = True
                 self.leave_deadline_ms = now_ms + self.settings.leave_timeout_ms
             self._drive_leave(now_ms)
         self._after(now_ms)
+        self._route(now_ms)
         return self._take_ready()
 
     def _take_ready(self) -> Ready:
@@ -437,8 +502,20 @@ class Machine:
             self._on_join_reply(msg)
         elif isinstance(msg, RemovalNotice):
             self._on_removal_notice(peer, msg, now_ms)
+        elif isinstance(msg, (InferRequest, InferTokens)):
+            self._on_infer(peer, msg, now_ms)
         else:
             self._on_raft_message(msg, now_ms)
+
+    def _on_infer(self, peer: NodeId, msg: InferRequest | InferTokens, now_ms: int) -> None:
+        r = self.raft
+        if r is None or not any(m.node_id == peer for m in r.state.members):
+            self.rejected_frames += 1  # inference is for members of our cluster only
+            return
+        if isinstance(msg, InferRequest):
+            self.router.on_request(peer, msg, r.state)
+        else:
+            self.router.on_tokens(msg, now_ms)
 
     def _on_raft_message(self, msg: Message, now_ms: int) -> None:
         r = self.raft
@@ -691,6 +768,7 @@ class Machine:
         r = self.raft
         assert r is not None and r.role is Role.LEADER
         self._negotiate_ring(now_ms)
+        self._negotiate_placement(now_ms)
         if not r.config_change_allowed() or r.transfer_to is not None:
             self._detect(now_ms, config_ok=False)
             return
@@ -734,6 +812,63 @@ class Machine:
         proposal = physical.negotiate(r.state)
         if proposal is not None and not self._propose_once(proposal, now_ms):
             self._ring_checked_at = (-1, -1)  # not accepted now (e.g. log full): retry
+
+    def _negotiate_placement(self, now_ms: int) -> None:
+        """Propose the next data-plane step (a new placement, or activating the pending
+        one) when the committed state calls for it (leader only; core/dataplane.py)."""
+        r = self.raft
+        assert r is not None
+        if r.transfer_to is not None or (r.term, r.applied) == self._placement_checked_at:
+            return
+        for key in (("SetPlacement", ""), ("ActivatePlacement", ""), ("SetRing", "")):
+            index = self._inflight.get(key)
+            if index is not None and index > r.applied and r.log.last_index >= index:
+                return  # one data-plane step at a time, and after the ring settles
+        self._placement_checked_at = (r.term, r.applied)
+        proposal = dataplane.negotiate(r.state)
+        if proposal is not None and not self._propose_once(proposal, now_ms):
+            self._placement_checked_at = (-1, -1)
+
+    def _publish_measure(self, now_ms: int) -> None:
+        """Bring this member's committed measurement and worker readiness up to date."""
+        r = self.raft
+        if r is None or self.mode is not Mode.MEMBER or self.leaving or r.leader is None:
+            return
+        mine = find_member(r.state, self.node_id)
+        if mine is None or mine.inc != self.inc:
+            return
+        if self.measure is not None and mine.measure != self.measure and now_ms - self._measure_sent_ms >= self.settings.hello_ms:
+            self._measure_sent_ms = now_ms
+            self._propose(PublishMeasure(self.node_id, self.inc, self.measure), now_ms)
+        state = r.state
+        epoch = state.placement_epoch
+        staged = any(s.node_id == self.node_id for s in state.placement)
+        if epoch in self.loaded and staged and self.node_id not in state.ready:
+            if now_ms - self._ready_sent.get(epoch, -(10**9)) >= self.settings.hello_ms:
+                self._ready_sent = {epoch: now_ms}
+                self._propose(WorkerReady(self.node_id, self.inc, epoch), now_ms)
+
+    def _route(self, now_ms: int) -> None:
+        """Move inference requests along (core/serving.py) and collect their effects."""
+        r = self.raft
+        state = r.state if r is not None and self.mode is Mode.MEMBER else None
+        head = dataplane.head(state) if state is not None else None
+        epoch = state.active_epoch if state is not None else 0
+        self.router.tick(state, head, epoch, now_ms)
+        for _ in range(8):  # requests a node sends itself (it is origin and head) loop back here
+            messages, submits, client = self.router.take()
+            self.ready.submits.extend(submits)
+            self.ready.client.extend(client)
+            local = [(dst, m) for dst, m in messages if dst == self.node_id]
+            self.ready.messages.extend((dst, m) for dst, m in messages if dst != self.node_id)
+            if not local:
+                break
+            for _, m in local:
+                if isinstance(m, InferRequest):
+                    self.router.on_request(self.node_id, m, state)
+                elif isinstance(m, InferTokens):
+                    self.router.on_tokens(m, now_ms)
+            self.router.tick(state, head, epoch, now_ms)
 
     def _publish_ports(self, now_ms: int) -> None:
         """Bring this member's committed ports and probe results up to date (any role)."""
@@ -837,6 +972,7 @@ class Machine:
                 self._ring_checked_at = (-1, -1)
             self._leader_duties(now_ms)
         self._publish_ports(now_ms)
+        self._publish_measure(now_ms)
         if self._healthy(now_ms):
             self.unhealthy_since_ms = None
         elif self.unhealthy_since_ms is None:

@@ -86,6 +86,42 @@ class RingHop:
     """Both ends have an RDMA device on this link."""
 
 
+@register(8)
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The model the cluster serves, as the placement planner needs it (core/model_spec.py
+    computes these from config.json and the safetensors headers)."""
+
+    name: str
+    """A local path (the same on every Mac) or a Hugging Face id."""
+    layers: int
+    layer_bytes: int
+    kv_bytes_per_token_per_layer: int
+    context_tokens: int
+    activation_bytes: int
+    embed_bytes: int
+
+
+@register(9)
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """What a member measured for a model: usable memory and one decoder layer's time."""
+
+    model: str
+    memory_bytes: int
+    layer_ms: float
+
+
+@register(24)
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One pipeline stage: a member and its contiguous layers [start, end)."""
+
+    node_id: NodeId
+    start: int
+    end: int
+
+
 @register(2)
 @dataclass(frozen=True, slots=True)
 class Member:
@@ -99,6 +135,7 @@ class Member:
     caps: Capabilities
     ports: tuple[PortInfo, ...] = ()
     probes: tuple[LinkProbe, ...] = ()
+    measure: Measure | None = None
 
 
 @register(3)
@@ -206,7 +243,59 @@ class PublishPorts:
     probes: tuple[LinkProbe, ...]
 
 
-Command = Noop | AddLearner | Promote | RemoveMember | MarkDown | MarkUp | UpdateMember | SetRing | Put | PublishPorts
+@register(25)
+@dataclass(frozen=True, slots=True)
+class SetModel:
+    """Serve this model (None: serve nothing). Proposed through any member's API."""
+
+    model: ModelInfo | None
+
+
+@register(26)
+@dataclass(frozen=True, slots=True)
+class PublishMeasure:
+    node_id: NodeId
+    inc: int
+    measure: Measure
+
+
+@register(27)
+@dataclass(frozen=True, slots=True)
+class SetPlacement:
+    """A new data-plane epoch: these stages, in pipeline (rank) order. It starts *pending*:
+    its workers load while the active epoch keeps serving (make before break)."""
+
+    epoch: int
+    model: str
+    stages: tuple[Stage, ...]
+    ring_epoch: int
+    hops: tuple[RingHop, ...]
+    """Stage i to stage i+1 (the last back to the first), with the addresses every worker
+    of the epoch renders its MLX hostfile from: fixed here so all render the same one."""
+
+
+@register(28)
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    """A member's worker for a pending epoch has loaded its layers and joined its group."""
+
+    node_id: NodeId
+    inc: int
+    epoch: int
+
+
+@register(29)
+@dataclass(frozen=True, slots=True)
+class ActivatePlacement:
+    """Switch serving to the pending epoch (every stage of it is ready)."""
+
+    epoch: int
+
+
+Command = (
+    Noop | AddLearner | Promote | RemoveMember | MarkDown | MarkUp | UpdateMember | SetRing | Put | PublishPorts
+    | SetModel | PublishMeasure | SetPlacement | WorkerReady | ActivatePlacement
+)
 CONFIG_COMMANDS = (AddLearner, Promote, RemoveMember)
 
 
@@ -229,6 +318,18 @@ class ClusterState:
     ring: tuple[NodeId, ...]
     kv: tuple[tuple[str, str], ...]
     ring_hops: tuple[RingHop, ...] = ()
+    model: ModelInfo | None = None
+    placement_epoch: int = 0
+    """The newest placement proposed (pending while > active_epoch)."""
+    placement: tuple[Stage, ...] = ()
+    placement_ring_epoch: int = 0
+    placement_hops: tuple[RingHop, ...] = ()
+    ready: tuple[NodeId, ...] = ()
+    """Members whose worker for placement_epoch is ready."""
+    active_epoch: int = 0
+    active: tuple[Stage, ...] = ()
+    """The stages serving now (empty: not serving)."""
+    active_hops: tuple[RingHop, ...] = ()
 
 
 @register(22)
@@ -394,6 +495,44 @@ class RemovalNotice:
     inc: int
 
 
-Message = RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice
+# --------------------------------------------------------------------------------------
+# Inference requests between agents (not in the log: a request lives as long as its client)
+
+
+@register(54)
+@dataclass(frozen=True, slots=True)
+class InferRequest:
+    """Run a generation on the receiver's head worker for data-plane ``epoch``. A resumed
+    request carries the prompt tokens plus every token already generated."""
+
+    src: NodeId
+    req: str
+    epoch: int
+    prompt: str | None
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+
+
+@register(55)
+@dataclass(frozen=True, slots=True)
+class InferTokens:
+    """Tokens of a request, streamed from the head's agent back to the request's origin."""
+
+    src: NodeId
+    req: str
+    epoch: int
+    tokens: tuple[int, ...]
+    text: str
+    done: bool
+    finish: str
+    """stop, length, or error (then ``text`` says why)."""
+    prompt_tokens: tuple[int, ...]
+    """The prompt as the head tokenized it (first reply only), so a resume needs no tokenizer."""
+
+
+Message = RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice | InferRequest | InferTokens
 MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
 """Every type that may arrive as a frame on its own (for isinstance checks)."""

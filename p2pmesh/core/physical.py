@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import ClusterState, Member, PortInfo, RingHop, SetRing
-from p2pmesh.core.ring import Link, Ring, RingError, solve
+from p2pmesh.core.ring import KINDS, Link, Ring, RingError, solve
 
 NETWORK_KIND = "network"
 """A hop over whatever IP path the control plane uses (no known cable): the slowest kind."""
@@ -181,32 +181,45 @@ def _identity(hops: tuple[RingHop, ...]) -> tuple[tuple[object, ...], ...]:
 def _describe(ring: Ring, links: list[Cable], by_id: dict[NodeId, Member]) -> tuple[RingHop, ...]:
     out = []
     for hop in ring.hops:
-        src, dst = NodeId(hop.src), NodeId(hop.dst)
-        candidates = [c for c in links if {c.a, c.b} == {src, dst} and c.kind == hop.kind]
-        # Several cables of the best kind between one pair: the data plane uses the fastest
-        # (ties: the lowest interface name), so every node names the same one.
-        cable = min(candidates, key=lambda c: (-c.gbps, _port_name(c.end(src)), _port_name(c.end(dst))))
-        sp, dp = cable.end(src), cable.end(dst)
-        if sp is not None and dp is not None:
-            pair = common_subnet(sp.ipv4, dp.ipv4)
-        else:
-            pair = (_first_ipv4(by_id[src]), _first_ipv4(by_id[dst]))
-            pair = None if None in pair else pair  # type: ignore[assignment]
-        out.append(
-            RingHop(
-                src=src,
-                dst=dst,
-                kind=hop.kind,
-                gbps=hop.gbps,
-                rtt_ms=cable.rtt_ms,
-                src_interface=sp.interface if sp else None,
-                dst_interface=dp.interface if dp else None,
-                src_ipv4=pair[0] if pair else None,
-                dst_ipv4=pair[1] if pair else None,
-                rdma=bool(sp and dp and sp.rdma and dp.rdma),
-            )
-        )
+        described = describe_hop(NodeId(hop.src), NodeId(hop.dst), links, by_id, kind=hop.kind)
+        assert described is not None  # the solver only uses hops that exist
+        out.append(described)
     return tuple(out)
+
+
+def describe_hop(
+    src: NodeId, dst: NodeId, links: list[Cable], by_id: dict[NodeId, Member], *, kind: str | None = None
+) -> RingHop | None:
+    """The hop from src to dst over the best link between them (of ``kind`` when given):
+    its interfaces, and the IPv4 pair the data plane uses on it (None when the ends share no
+    subnet there; `p2pmesh links plan` fixes that)."""
+    pair_links = [c for c in links if {c.a, c.b} == {src, dst}]
+    if kind is None and pair_links:
+        kind = min((c.kind for c in pair_links), key=KINDS.index)
+    candidates = [c for c in pair_links if c.kind == kind]
+    if not candidates:
+        return None
+    # Several cables of the best kind between one pair: the data plane uses the fastest
+    # (ties: the lowest interface name), so every node names the same one.
+    cable = min(candidates, key=lambda c: (-c.gbps, _port_name(c.end(src)), _port_name(c.end(dst))))
+    sp, dp = cable.end(src), cable.end(dst)
+    if sp is not None and dp is not None:
+        pair = common_subnet(sp.ipv4, dp.ipv4)
+    else:
+        ends = (_first_ipv4(by_id[src]), _first_ipv4(by_id[dst]))
+        pair = (ends[0], ends[1]) if ends[0] is not None and ends[1] is not None else None
+    return RingHop(
+        src=src,
+        dst=dst,
+        kind=cable.kind,
+        gbps=cable.gbps,
+        rtt_ms=cable.rtt_ms,
+        src_interface=sp.interface if sp else None,
+        dst_interface=dp.interface if dp else None,
+        src_ipv4=pair[0] if pair else None,
+        dst_ipv4=pair[1] if pair else None,
+        rdma=bool(sp and dp and sp.rdma and dp.rdma),
+    )
 
 
 def _port_name(p: PortInfo | None) -> str:

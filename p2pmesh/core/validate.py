@@ -17,14 +17,18 @@ from p2pmesh.core.messages import (
     JoinRequest,
     LinkProbe,
     Message,
+    ModelInfo,
     PortInfo,
+    PublishMeasure,
     PublishPorts,
     Put,
     ReadIndexResponse,
     RemoveMember,
+    SetModel,
     RemovalNotice,
     Snapshot,
     VoteRequest,
+    WorkerReady,
 )
 
 
@@ -96,6 +100,27 @@ def command_problem(cmd: object) -> str | None:
         return f"a value may hold at most {STR_LEN_MAX} characters and a key 256"
     if isinstance(cmd, PublishPorts):
         return ports_problem(cmd.ports, cmd.probes)
+    if isinstance(cmd, SetModel) and cmd.model is not None:
+        return model_problem(cmd.model)
+    if isinstance(cmd, PublishMeasure):
+        m = cmd.measure
+        if m.memory_bytes < 0 or not (0 < m.layer_ms < 1e6):
+            return "a measurement needs memory >= 0 and a layer time in (0, 1e6) ms"
+    return None
+
+
+LAYERS_MAX = 4096
+
+
+def model_problem(m: ModelInfo) -> str | None:
+    """Why a model description cannot be served (every number feeds the planner)."""
+    if not m.name or len(m.name) > 1024:
+        return "a model needs a name (a path or a Hugging Face id) of at most 1024 characters"
+    if not 1 <= m.layers <= LAYERS_MAX:
+        return f"a model has 1 to {LAYERS_MAX} layers"
+    numbers = (m.layer_bytes, m.kv_bytes_per_token_per_layer, m.context_tokens, m.activation_bytes, m.embed_bytes)
+    if min(numbers) < 0 or m.context_tokens < 1 or m.layer_bytes < 1:
+        return "model sizes must be positive (context_tokens and layer_bytes at least 1)"
     return None
 
 
@@ -105,10 +130,10 @@ def forwarded_problem(cmd: object, sender: str) -> str | None:
     why = command_problem(cmd)
     if why is not None:
         return why
-    if isinstance(cmd, Put):
+    if isinstance(cmd, (Put, SetModel)):
         return None
-    if isinstance(cmd, (PublishPorts, RemoveMember)):
-        return None if cmd.node_id == sender else "a member may only publish its own ports or remove itself"
+    if isinstance(cmd, (PublishPorts, RemoveMember, PublishMeasure, WorkerReady)):
+        return None if cmd.node_id == sender else "a member may only speak for itself"
     # Membership, health and the ring are the leader's own decisions, never a follower's.
     return f"{type(cmd).__name__} cannot be forwarded"
 

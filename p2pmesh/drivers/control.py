@@ -1,6 +1,7 @@
-"""The local control socket: a Unix socket in the state directory that the CLI (and,
-later, the client API) uses to ask the agent questions. One JSON request line in, one JSON
-response line out; requests are bounded in size and time.
+"""The local control socket: a Unix socket in the state directory that the CLI and the
+client API use to talk to the agent. One JSON request line in; one JSON response line out,
+or for a streaming op (``generate``) one JSON line per event until a line with
+``"final": true``. Requests are bounded in size and time (a stream: in time between events).
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import socket as stdsocket
 from pathlib import Path
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
 
 import trio
@@ -15,12 +17,18 @@ import trio
 REQUEST_BYTES_MAX = 64 * 1024
 REQUEST_TIMEOUT_S = 10.0
 CLIENTS_CONCURRENT_MAX = 32
+STREAM_IDLE_TIMEOUT_S = 300.0
+"""A streaming request fails when nothing happens for this long (no token, no end)."""
 
 
 class _Agent(Protocol):
     def status(self) -> dict[str, Any]: ...
 
     def request_leave(self) -> None: ...
+
+    async def set_model(self, request: dict[str, Any]) -> dict[str, Any]: ...
+
+    def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
 
     left: trio.Event
     control_active: int
@@ -65,12 +73,41 @@ async def _handle(stream: trio.SocketStream, agent: _Agent, limiter: trio.Capaci
                     if not chunk or len(buf) + len(chunk) > REQUEST_BYTES_MAX:
                         return
                     buf += chunk
-                response = await _dispatch(buf.split(b"\n", 1)[0], agent)
-                await stream.send_all(json.dumps(response).encode() + b"\n")
+                line = buf.split(b"\n", 1)[0]
+                if _op_of(line) != "generate":
+                    response = await _dispatch(line, agent)
+                    await stream.send_all(json.dumps(response).encode() + b"\n")
+                    return
+            await _stream(stream, json.loads(line), agent)
         except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
             return
         finally:
             agent.control_active -= 1
+
+
+def _op_of(line: bytes) -> str | None:
+    try:
+        request = json.loads(line)
+        return request.get("op") if isinstance(request, dict) else None
+    except ValueError:
+        return None
+
+
+async def _stream(stream: trio.SocketStream, request: dict[str, Any], agent: _Agent) -> None:
+    """Send each event of a generation as its own line; the last one has "final": true."""
+    events = agent.generate(request)
+    try:
+        while True:
+            with trio.fail_after(STREAM_IDLE_TIMEOUT_S):
+                try:
+                    event = await events.__anext__()
+                except StopAsyncIteration:
+                    return
+            await stream.send_all(json.dumps(event).encode() + b"\n")
+            if event.get("final"):
+                return
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:
@@ -81,12 +118,50 @@ async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:
         return {"ok": False, "error": "bad request: send one JSON object with an 'op' key"}
     if op == "status":
         return {"ok": True, "status": agent.status()}
+    if op == "model":
+        return await agent.set_model(request)
     if op == "leave":
         agent.request_leave()
         with trio.move_on_after(float(request.get("timeout_s", 10))):
             await agent.left.wait()
         return {"ok": True, "left": agent.left.is_set()}
     return {"ok": False, "error": f"unknown op {op!r}"}
+
+
+def stream(path: Path, op: str, *, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S, **fields: Any) -> Iterator[dict[str, Any]]:
+    """Synchronous client for a streaming op: yields each event until the final one."""
+    s = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+    s.settimeout(idle_timeout_s)
+    try:
+        s.connect(str(path))
+    except OSError as exc:
+        s.close()
+        raise ControlError(f"no agent is running at {path} ({exc.strerror}); start one with `p2pmesh agent`") from None
+    try:
+        s.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
+        buf = b""
+        while True:
+            while b"\n" not in buf:
+                chunk = s.recv(65536)
+                if not chunk:
+                    raise ControlError("the agent closed the stream before the end")
+                buf += chunk
+                if len(buf) > 16 * 1024 * 1024:
+                    raise ControlError("the agent sent an oversized event")
+            line, buf = buf.split(b"\n", 1)
+            try:
+                event = json.loads(line)
+            except ValueError:
+                raise ControlError("the agent sent an unreadable event") from None
+            if not event.get("ok", True):
+                raise ControlError(event.get("error", "the agent refused the request"))
+            yield event
+            if event.get("final"):
+                return
+    except OSError as exc:
+        raise ControlError(f"the agent at {path} stopped answering: {exc}") from None
+    finally:
+        s.close()
 
 
 def request(path: Path, op: str, *, timeout_s: float = 15.0, **fields: Any) -> dict[str, Any]:

@@ -19,6 +19,16 @@ from p2pmesh.core import wire
 from p2pmesh.core.errors import LocalProtocolError, RemoteProtocolError
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.messages import (
+    ActivatePlacement,
+    InferRequest,
+    InferTokens,
+    Measure,
+    ModelInfo,
+    PublishMeasure,
+    SetModel,
+    SetPlacement,
+    Stage,
+    WorkerReady,
     LinkProbe,
     PortInfo,
     PublishPorts,
@@ -70,6 +80,7 @@ CAPS = Capabilities(64 * 2**30, "M4 Max")
 HDR = Header(CL, A, 7, B, 2**63 - 1, 42)
 PEER_A = Peer(A, 7)
 PEER_B = Peer(B, 9)
+MODEL = ModelInfo("org/model", 80, 5 * 10**8, 2048, 8192, 16384, 10**9)
 PORT = PortInfo("en2", "thunderbolt", "D-A", "D-B", True, 40.0, ("169.254.3.1/30",), False)
 PROBE = LinkProbe("en2", B, 0.31, 9.5)
 HOP = RingHop(A, B, "thunderbolt", 40.0, 0.31, "en2", "en5", "169.254.3.1", "169.254.3.2", True)
@@ -100,6 +111,16 @@ EXAMPLES: dict[type, list[Any]] = {
     LinkProbe: [PROBE],
     RingHop: [HOP],
     PublishPorts: [PublishPorts(A, 7, (PORT,), (PROBE,)), PublishPorts(B, 1, (), ())],
+    ModelInfo: [MODEL],
+    Measure: [Measure("m", 2**36, 0.61)],
+    Stage: [Stage(A, 0, 40)],
+    SetModel: [SetModel(MODEL), SetModel(None)],
+    PublishMeasure: [PublishMeasure(A, 7, Measure("m", 1, 0.1))],
+    SetPlacement: [SetPlacement(3, "m", (Stage(A, 0, 40), Stage(B, 40, 80)), 2, (HOP,)), SetPlacement(4, "", (), 2, ())],
+    WorkerReady: [WorkerReady(A, 7, 3)],
+    ActivatePlacement: [ActivatePlacement(3)],
+    InferRequest: [InferRequest(A, "r1", 3, "hi", (), 16, 0.0, 1.0, 0), InferRequest(A, "r1", 4, None, (1, 2), 3, 0.7, 0.9, 5)],
+    InferTokens: [InferTokens(B, "r1", 3, (5,), "x", False, "", (1, 2)), InferTokens(B, "r1", 3, (), "why", True, "error", ())],
     Put: [Put("k", "v"), Put("", "")],
     Entry: list(ENTRIES),
     ClusterState: [STATE, ClusterState(CL, (), 0, (), ())],

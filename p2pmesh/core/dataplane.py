@@ -1,0 +1,127 @@
+"""The data plane's lifecycle, decided from the committed state alone.
+
+Leader side (``negotiate``): which placement epoch the cluster should move to. A new
+placement is proposed *pending* (SetPlacement) when the model, the ring or the members'
+measurements call for one; the planner's hysteresis keeps the serving plan unless it no
+longer fits or a new one is better by its margin. Its workers load while the active epoch
+keeps serving; once every stage's member reported its worker ready (WorkerReady), the
+leader commits ActivatePlacement, the one entry that switches serving (make before break).
+
+Member side (``wanted_workers``): which worker processes this node should run now: one for
+the active epoch and one for a pending epoch, each with its rank and layer range. The agent
+reconciles its processes with this set; ``pipeline_hops`` gives the addresses for the
+epoch's MLX hostfile.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from p2pmesh.core import physical
+from p2pmesh.core.ids import NodeId
+from p2pmesh.core.messages import (
+    ActivatePlacement,
+    ClusterState,
+    RingHop,
+    SetPlacement,
+    Stage,
+)
+from p2pmesh.core.placement import ModelSpec, NodeSpec, Plan, PlacementError, solve_placement
+from p2pmesh.core.placement import Stage as PlanStage
+from p2pmesh.core.ring import Link
+
+PLACEMENT_MARGIN = 0.15
+"""A serving plan is replaced only when a new one is at least 15% faster (or it no longer
+fits): moving layers costs loading time, and measurements are noisy."""
+
+
+@dataclass(frozen=True, slots=True)
+class WantedWorker:
+    epoch: int
+    model: str
+    stages: tuple[Stage, ...]
+    rank: int
+
+
+def negotiate(state: ClusterState) -> SetPlacement | ActivatePlacement | None:
+    """What the leader should propose about placement now, if anything."""
+    pending = state.placement_epoch > state.active_epoch
+    if pending and state.placement and all(s.node_id in state.ready for s in state.placement):
+        return ActivatePlacement(state.placement_epoch)
+    wanted = _wanted_stages(state)
+    if wanted is None:
+        return None
+    hops = pipeline_hops(state, wanted)
+    if wanted == state.placement and hops == state.placement_hops:
+        return None  # already proposed (pending) or serving as it should
+    return SetPlacement(state.placement_epoch + 1, state.model.name if state.model else "", wanted, state.ring_epoch, hops)
+
+
+def _wanted_stages(state: ClusterState) -> tuple[Stage, ...] | None:
+    """The stages the cluster should serve with; None when it cannot tell yet."""
+    model = state.model
+    if model is None:
+        return ()
+    by_id = {m.node_id: m for m in state.members}
+    nodes = [
+        NodeSpec(n, by_id[n].measure.memory_bytes, by_id[n].measure.layer_ms)  # type: ignore[union-attr]
+        for n in state.ring
+        if n in by_id and by_id[n].up and by_id[n].measure is not None and by_id[n].measure.model == model.name  # type: ignore[union-attr]
+    ]
+    if not nodes:
+        return None  # nobody has measured the model yet
+    spec = ModelSpec(
+        layers=model.layers,
+        layer_bytes=model.layer_bytes,
+        kv_bytes_per_token_per_layer=model.kv_bytes_per_token_per_layer,
+        context_tokens=model.context_tokens,
+        activation_bytes=model.activation_bytes,
+        embed_bytes=model.embed_bytes,
+    )
+    links = [Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in physical.cables(state, physical.serving(state))]
+    serving = state.active if state.active else state.placement
+    current = Plan(tuple(PlanStage(s.node_id, s.start, s.end) for s in serving), 0.0) if serving else None
+    try:
+        plan = solve_placement(spec, nodes, links, current=current, margin=PLACEMENT_MARGIN)
+    except PlacementError:
+        return ()  # fits nowhere: serve nothing (the CLI and status say why)
+    return tuple(Stage(NodeId(s.node_id), s.start, s.end) for s in plan.stages)
+
+
+def _address_identity(h: RingHop) -> RingHop:
+    return RingHop(h.src, h.dst, h.kind, 0.0, None, h.src_interface, h.dst_interface, h.src_ipv4, h.dst_ipv4, h.rdma)
+
+
+def pipeline_hops(state: ClusterState, stages: tuple[Stage, ...]) -> tuple[RingHop, ...]:
+    """The hop from each stage to the next (the last back to the first) with the addresses
+    the MLX ring backend will use: the cable between them when there is one, else the LAN
+    or control-plane path (core/physical.py describes hops the same way for the ring)."""
+    nodes = [s.node_id for s in stages]
+    if len(nodes) < 2:
+        return ()
+    by_id = {m.node_id: m for m in state.members}
+    links = physical.cables(state, [by_id[n] for n in nodes if n in by_id])
+    out = []
+    for i, src in enumerate(nodes):
+        dst = nodes[(i + 1) % len(nodes)]
+        hop = physical.describe_hop(src, dst, links, by_id)
+        if hop is None:
+            continue
+        out.append(_address_identity(hop))
+    return tuple(out)
+
+
+def wanted_workers(state: ClusterState, me: NodeId) -> list[WantedWorker]:
+    """The workers this node should be running: its stage of the active epoch and of a
+    pending one (the pending one is loading while the active one serves)."""
+    out = []
+    for epoch, stages in ((state.active_epoch, state.active), (state.placement_epoch, state.placement)):
+        for rank, s in enumerate(stages):
+            if s.node_id == me and not any(w.epoch == epoch for w in out):
+                model = state.model.name if state.model else ""
+                out.append(WantedWorker(epoch, model, stages, rank))
+    return out
+
+
+def head(state: ClusterState) -> NodeId | None:
+    """The member whose worker takes requests now (rank 0 of the active epoch)."""
+    return state.active[0].node_id if state.active else None

@@ -1,0 +1,201 @@
+"""What a model in the Hugging Face layout costs, and which tensors a pipeline stage needs.
+
+Owns the pure arithmetic over a parsed config.json and the tensor names and sizes of its
+safetensors files: the size of one decoder layer, of the embeddings and the head, the KV
+cache per token per layer, the activation that crosses a hop per token, and which
+checkpoint tensors belong to a stage [start, end) of the layers. Also parses a safetensors
+header (bytes in, entries out). The worker reads the files; the planner (agent side) can
+call the same functions with what it read, without MLX.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+"""A decoder layer's tensors are named "...layers.<i>.<...>" (model.layers.3.mlp.up_proj.weight)."""
+
+SAFETENSORS_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+}
+CONFIG_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+DEFAULT_ACTIVATION_BYTES = 2
+"""Checkpoints without torch_dtype are nearly always half precision."""
+MAX_HEADER_BYTES = 100_000_000
+"""The safetensors format's own limit on the JSON header."""
+
+
+class ModelSpecError(ValueError):
+    """config.json or a safetensors header is malformed or inconsistent: the checkpoint's fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor of a safetensors file: dtype code, shape and byte range of its data,
+    relative to the start of the data section (after the 8-byte length and the header)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Sizes in bytes, computed from config.json and the checkpoint's tensor sizes."""
+
+    layers: int
+    hidden_size: int
+    layer_bytes: int
+    """The largest decoder layer (layers are usually identical)."""
+    embed_bytes: int
+    head_bytes: int
+    """lm_head; 0 when the head is tied to the embeddings."""
+    norm_bytes: int
+    """The final norm and any other non-layer tensor besides embeddings and head."""
+    kv_bytes_per_token_per_layer: int
+    activation_bytes: int
+    """Hidden state of one token as it crosses a hop."""
+    tied: bool
+    total_bytes: int
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to, or None (embeddings, norm, head)."""
+    m = LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def is_embedding(name: str) -> bool:
+    return layer_index(name) is None and "embed_tokens" in name
+
+
+def is_head(name: str) -> bool:
+    return layer_index(name) is None and name.split(".")[0] == "lm_head"
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language-model part of the config (multimodal checkpoints nest it)."""
+    inner = config.get("text_config")
+    return {**config, **inner} if isinstance(inner, Mapping) else config
+
+
+def is_tied(config: Mapping[str, Any]) -> bool:
+    """mlx-lm's default for llama and qwen2 is a tied head when the config does not say."""
+    return bool(text_config(config).get("tie_word_embeddings", True))
+
+
+def stage_tensors(names: Iterable[str], start: int, end: int, num_layers: int, tied: bool) -> set[str]:
+    """The checkpoint tensors a stage holding layers [start, end) of num_layers needs: its
+    layers; the embeddings if it is the first stage, or the last with a tied head; the final
+    norm and lm_head (unless tied: a tied checkpoint may still ship one, which mlx-lm drops) if it
+    is the last stage. Nothing else: the other layers never load."""
+    if not 0 <= start < end <= num_layers:
+        raise ValueError(f"stage [{start}, {end}) is not a non-empty range of the {num_layers} layers")
+    first, last = start == 0, end == num_layers
+    needed: set[str] = set()
+    for name in names:
+        i = layer_index(name)
+        if i is not None:
+            if start <= i < end:
+                needed.add(name)
+        elif is_embedding(name):
+            if first or (last and tied):
+                needed.add(name)
+        elif last and not (tied and is_head(name)):  # the final norm; lm_head unless tied
+            needed.add(name)
+    return needed
+
+
+def parse_safetensors_header(prefix: bytes) -> tuple[int, list[TensorEntry]]:
+    """(data offset, entries) from the start of a safetensors file: an 8-byte little-endian
+    header length, then that many bytes of JSON. `prefix` must hold at least 8 + length bytes."""
+    if len(prefix) < 8:
+        raise ModelSpecError("safetensors file shorter than its 8-byte header length")
+    n = int.from_bytes(prefix[:8], "little")
+    if n > MAX_HEADER_BYTES or len(prefix) < 8 + n:
+        raise ModelSpecError(f"safetensors header of {n} bytes is too large or truncated")
+    try:
+        header = json.loads(prefix[8 : 8 + n])
+    except ValueError as e:
+        raise ModelSpecError(f"safetensors header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ModelSpecError("safetensors header is not a JSON object")
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ModelSpecError(f"safetensors entry {name!r} lacks dtype, shape or data_offsets") from None
+        if dtype not in SAFETENSORS_DTYPE_BYTES:
+            raise ModelSpecError(f"tensor {name!r} has unknown dtype {dtype!r}")
+        count = 1
+        for d in shape:
+            count *= d
+        if not 0 <= begin <= end or end - begin != count * SAFETENSORS_DTYPE_BYTES[dtype]:
+            raise ModelSpecError(f"tensor {name!r}: data_offsets [{begin}, {end}) do not fit {dtype}{list(shape)}")
+        entries.append(TensorEntry(name, dtype, shape, int(begin), int(end)))
+    return 8 + n, entries
+
+
+def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, activation_dtype_bytes: int | None = None) -> ModelSpec:
+    """Sizes of the model named by `config` (parsed config.json) whose checkpoint holds
+    `tensor_bytes` (tensor name -> bytes, over all safetensors files).
+
+    The KV cache and the activations are in the model's compute dtype (torch_dtype, or
+    `activation_dtype_bytes` when the caller knows better, e.g. a quantized checkpoint
+    computing in float16)."""
+    c = text_config(config)
+    try:
+        layers = int(c["num_hidden_layers"])
+        hidden = int(c["hidden_size"])
+        heads = int(c["num_attention_heads"])
+    except (KeyError, TypeError, ValueError):
+        raise ModelSpecError("config.json lacks num_hidden_layers, hidden_size or num_attention_heads") from None
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or hidden // heads)
+    dtype_bytes = activation_dtype_bytes or CONFIG_DTYPE_BYTES.get(
+        str(c.get("torch_dtype") or c.get("dtype") or ""), DEFAULT_ACTIVATION_BYTES
+    )
+    per_layer = [0] * layers
+    embed = head = norm = 0
+    for name, nbytes in tensor_bytes.items():
+        i = layer_index(name)
+        if i is not None:
+            if i < layers:  # extra layers (MTP) are dropped by mlx-lm's sanitize
+                per_layer[i] += nbytes
+        elif is_embedding(name):
+            embed += nbytes
+        elif is_head(name):
+            head += nbytes
+        else:
+            norm += nbytes
+    missing = [i for i, b in enumerate(per_layer) if b == 0]
+    if missing:
+        raise ModelSpecError(f"the checkpoint has no tensors for layers {missing[:8]}{'...' if len(missing) > 8 else ''}")
+    tied = is_tied(config)
+    if tied:
+        head = 0  # a tied checkpoint may still ship lm_head.weight; mlx-lm drops it
+    return ModelSpec(
+        layers=layers,
+        hidden_size=hidden,
+        layer_bytes=max(per_layer),
+        embed_bytes=embed,
+        head_bytes=head,
+        norm_bytes=norm,
+        kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * dtype_bytes,
+        activation_bytes=hidden * dtype_bytes,
+        tied=tied,
+        total_bytes=sum(per_layer) + embed + head + norm,
+    )

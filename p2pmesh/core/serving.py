@@ -1,0 +1,190 @@
+"""Inference requests across the cluster: where each one runs, and how it survives an epoch
+change. Pure: the node machine feeds it facts and collects its effects.
+
+Two roles, often on the same node:
+- the *origin* is the member a client asked. It owns the request until it is done: it sends
+  it to the head (rank 0 of the active data-plane epoch), collects the streamed tokens, and
+  when the active epoch changes before the end (a Mac died, a Mac joined) it sends it again
+  to the new head as prompt tokens plus every token generated so far, asking only for the
+  rest. With greedy decoding the continuation is exactly what an uninterrupted run gives.
+  Tokens from any other epoch than the one it last sent to are dropped, so nothing is
+  counted twice.
+- the *head* runs requests on its local worker and streams tokens back to their origin.
+
+Bounded: at most ``REQUESTS_MAX`` requests per origin and per head; a request that makes no
+progress for ``STALL_MS`` while the cluster has no serving epoch fails with an error, so a
+client never waits forever.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from p2pmesh.core.ids import NodeId
+from p2pmesh.core.messages import ClusterState, InferRequest, InferTokens, Message
+
+REQUESTS_MAX = 256
+STALL_MS = 120_000
+STALE = "stale epoch"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateParams:
+    prompt: str | None
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSubmit:
+    """Effect: give this request to the local worker of ``epoch`` (its rank 0)."""
+
+    epoch: int
+    req: str
+    params: GenerateParams
+
+
+@dataclass(frozen=True, slots=True)
+class ClientEvent:
+    """Effect: tokens (or the end) of a request this node's client asked for."""
+
+    req: str
+    tokens: tuple[int, ...]
+    text: str
+    done: bool
+    finish: str
+    """"" while streaming; stop, length or error at the end (then ``text`` says why)."""
+
+
+@dataclass(slots=True)
+class _Origin:
+    params: GenerateParams
+    started_ms: int
+    progress_ms: int
+    prompt_tokens: tuple[int, ...] = ()
+    generated: list[int] = field(default_factory=list)
+    sent_to: tuple[NodeId, int] | None = None
+    """(head, epoch) the request was last sent to."""
+    stale_epoch: int = -1
+    """An epoch a head told us is over: do not send there again before our state moves."""
+    resumes: int = 0
+
+
+@dataclass(slots=True)
+class _Served:
+    origin: NodeId
+    epoch: int
+    request: InferRequest
+    submitted: bool = False
+
+
+class Router:
+    def __init__(self, me: NodeId) -> None:
+        self.me = me
+        self.origins: dict[str, _Origin] = {}
+        self.served: dict[str, _Served] = {}
+        self.messages: list[tuple[NodeId, Message]] = []
+        self.submits: list[WorkerSubmit] = []
+        self.client: list[ClientEvent] = []
+        self.resumed = 0
+        """Requests sent again to a new epoch (for status and benchmarks)."""
+
+    # ------------------------------------------------------------------------------
+    # Facts
+
+    def requested(self, req: str, params: GenerateParams, now_ms: int) -> None:
+        """A local client asked for a generation."""
+        if req in self.origins:
+            self.client.append(ClientEvent(req, (), "a request with this id is already running", True, "error"))
+            return
+        if len(self.origins) >= REQUESTS_MAX:
+            self.client.append(ClientEvent(req, (), f"too many requests in flight (at most {REQUESTS_MAX})", True, "error"))
+            return
+        self.origins[req] = _Origin(params, now_ms, now_ms)
+
+    def on_request(self, src: NodeId, msg: InferRequest, state: ClusterState | None) -> None:
+        """An origin asks this node, as head, to run a request."""
+        if len(self.served) >= REQUESTS_MAX and msg.req not in self.served:
+            self.messages.append((src, InferTokens(self.me, msg.req, msg.epoch, (), "the head is full", True, "error", ())))
+            return
+        self.served[msg.req] = _Served(src, msg.epoch, msg)
+
+    def on_tokens(self, msg: InferTokens, now_ms: int) -> None:
+        """Tokens streamed back from a head for a request this node originated."""
+        o = self.origins.get(msg.req)
+        if o is None or o.sent_to is None or o.sent_to[1] != msg.epoch or o.sent_to[0] != msg.src:
+            return  # a request we gave up, or a late reply from an epoch we moved away from
+        if msg.prompt_tokens and not o.prompt_tokens:
+            o.prompt_tokens = msg.prompt_tokens
+        if msg.tokens:
+            o.generated.extend(msg.tokens)
+            o.progress_ms = now_ms
+        finish = msg.finish
+        if not msg.done and len(o.generated) >= o.params.max_tokens:
+            finish = "length"  # a resumed request asked only for the rest; stop on our count
+        done = msg.done or finish == "length"
+        if done and finish == "error" and msg.text == STALE:
+            o.sent_to = None  # the head moved on before us: send again once we catch up
+            o.stale_epoch = msg.epoch
+            return
+        self.client.append(ClientEvent(msg.req, msg.tokens, msg.text, done, finish if done else ""))
+        if done:
+            del self.origins[msg.req]
+
+    def worker_event(self, epoch: int, req: str, tokens: tuple[int, ...], text: str, done: bool, finish: str,
+                     prompt_tokens: tuple[int, ...]) -> None:
+        """The local head worker produced tokens (or finished) for a request."""
+        s = self.served.get(req)
+        if s is None or s.epoch != epoch:
+            return
+        reply = InferTokens(self.me, req, epoch, tokens, text, done, finish, prompt_tokens)
+        self.messages.append((s.origin, reply))
+        if done:
+            del self.served[req]
+
+    # ------------------------------------------------------------------------------
+    # After every change of state or time
+
+    def tick(self, state: ClusterState | None, head: NodeId | None, epoch: int, now_ms: int) -> None:
+        self._serve(head, epoch)
+        for req, o in list(self.origins.items()):
+            if head is None:
+                if now_ms - o.progress_ms >= STALL_MS:
+                    del self.origins[req]
+                    self.client.append(ClientEvent(req, (), "no serving epoch: the model is not placed", True, "error"))
+                continue
+            if o.sent_to == (head, epoch) or epoch == o.stale_epoch:
+                continue
+            if o.sent_to is not None:
+                o.resumes += 1
+                self.resumed += 1
+            o.sent_to = (head, epoch)
+            o.progress_ms = now_ms
+            self.messages.append((head, self._request(req, o, epoch)))
+
+    def _request(self, req: str, o: _Origin, epoch: int) -> InferRequest:
+        p = o.params
+        if o.generated and o.prompt_tokens:
+            tokens = o.prompt_tokens + tuple(o.generated)
+            return InferRequest(self.me, req, epoch, None, tokens, p.max_tokens - len(o.generated), p.temperature, p.top_p, p.seed)
+        return InferRequest(self.me, req, epoch, p.prompt, p.prompt_tokens, p.max_tokens, p.temperature, p.top_p, p.seed)
+
+    def _serve(self, head: NodeId | None, epoch: int) -> None:
+        for req, s in list(self.served.items()):
+            if s.epoch < epoch or head != self.me and s.epoch == epoch:
+                # The request's epoch is over here; its origin re-sends it to the new head.
+                self.messages.append((s.origin, InferTokens(self.me, req, s.epoch, (), STALE, True, "error", ())))
+                del self.served[req]
+            elif s.epoch == epoch and not s.submitted:
+                r = s.request
+                s.submitted = True
+                params = GenerateParams(r.prompt, r.prompt_tokens, r.max_tokens, r.temperature, r.top_p, r.seed)
+                self.submits.append(WorkerSubmit(epoch, req, params))
+            # s.epoch > epoch: the origin saw a newer epoch than we have applied; wait.
+
+    def take(self) -> tuple[list[tuple[NodeId, Message]], list[WorkerSubmit], list[ClientEvent]]:
+        out = (self.messages, self.submits, self.client)
+        self.messages, self.submits, self.client = [], [], []
+        return out

@@ -1,0 +1,157 @@
+"""Models on the agent side (no MLX here): find a model's files, describe it for the planner,
+and measure it on this Mac through a worker process.
+
+A model is named by a local directory in the Hugging Face layout or by a Hugging Face id,
+which each Mac resolves on its own (huggingface_hub's cache; nothing is fetched when the
+name is a directory). The description (layers, bytes per layer, KV bytes per token, ...)
+comes from config.json and the safetensors headers only, read without loading any weight.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from p2pmesh.core.errors import MeshError
+from p2pmesh.core.machine import ModelMeasured
+from p2pmesh.core.messages import Measure, ModelInfo
+
+if TYPE_CHECKING:
+    from p2pmesh.agent import Agent
+
+log = logging.getLogger("p2pmesh.models")
+
+HEADER_BYTES_MAX = 100 * 1024 * 1024
+CONFIG_BYTES_MAX = 1024 * 1024
+MEASURE_TIMEOUT_S = 300.0
+DOWNLOAD_TIMEOUT_S = 6 * 3600.0
+
+
+class ModelError(MeshError):
+    """The model named by the user cannot be found or read (the user's to fix)."""
+
+
+def resolve(name: str, *, allow_download: bool = True) -> Path:
+    """The local directory of a model: the name itself when it is a directory, else the
+    Hugging Face snapshot of that id (downloaded when this Mac has not got it yet)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if not allow_download or "/" not in name or name.startswith(("/", ".")):
+        raise ModelError(f"no model directory at {name!r} (and it is not a Hugging Face id such as org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+    except Exception as exc:  # offline, unknown id, no permission: all the user's to fix
+        raise ModelError(f"cannot fetch the model {name!r} from Hugging Face: {exc}") from None
+
+
+def tensor_bytes(path: Path) -> dict[str, int]:
+    """Tensor name -> bytes, from the headers of every safetensors file (no weights read)."""
+    out: dict[str, int] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{path} holds no .safetensors file")
+    for f in files:
+        with f.open("rb") as fh:
+            raw = fh.read(8)
+            if len(raw) != 8:
+                raise ModelError(f"{f} is not a safetensors file (too short)")
+            (size,) = struct.unpack("<Q", raw)
+            if size > HEADER_BYTES_MAX:
+                raise ModelError(f"{f} has a {size}-byte header: not a safetensors file")
+            try:
+                header = json.loads(fh.read(size))
+            except ValueError:
+                raise ModelError(f"{f} has an unreadable safetensors header") from None
+        for key, meta in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                start, end = meta["data_offsets"]
+                out[key] = int(end) - int(start)
+            except (KeyError, TypeError, ValueError):
+                raise ModelError(f"{f}: tensor {key!r} has no data_offsets") from None
+    return out
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    f = path / "config.json"
+    try:
+        data = f.read_bytes()
+    except OSError as exc:
+        raise ModelError(f"cannot read {f}: {exc.strerror}") from None
+    if len(data) > CONFIG_BYTES_MAX:
+        raise ModelError(f"{f} is too large to be a model config")
+    try:
+        config = json.loads(data)
+    except ValueError:
+        raise ModelError(f"{f} is not JSON") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{f} is not a JSON object")
+    return config
+
+
+def describe(name: str, path: Path, context_tokens: int) -> ModelInfo:
+    """What the planner needs to know about a model (core/model_spec.py does the sums)."""
+    from p2pmesh.core.model_spec import ModelSpecError, model_spec
+
+    try:
+        n = model_spec(read_config(path), tensor_bytes(path))
+    except ModelSpecError as exc:
+        raise ModelError(f"{name}: {exc}") from None
+    return ModelInfo(
+        name=name,
+        layers=n.layers,
+        layer_bytes=n.layer_bytes,
+        kv_bytes_per_token_per_layer=n.kv_bytes_per_token_per_layer,
+        context_tokens=context_tokens,
+        activation_bytes=n.activation_bytes,
+        # What the first and last stage hold besides layers (embeddings, head, final norm).
+        embed_bytes=n.embed_bytes + n.head_bytes + n.norm_bytes,
+    )
+
+
+async def measure_loop(agent: Agent) -> None:
+    """Whenever the cluster's model changes, measure it here (a short worker run) and
+    publish the result; the leader plans with every member's measurement."""
+    measured: str | None = None
+    while True:  # for the agent's lifetime
+        m = agent.machine
+        model = m.raft.state.model if m and m.raft else None
+        if model is not None and model.name != measured:
+            measured = model.name
+            try:
+                measure = await _measure(model.name, agent.config.model_root)
+                limit = agent.config.memory_limit_bytes
+                if limit is not None and measure.memory_bytes > limit:
+                    measure = Measure(measure.model, limit, measure.layer_ms)
+            except ModelError as exc:
+                log.warning("cannot measure %s here: %s", model.name, exc)
+            else:
+                log.info("measured %s: %.3f ms per layer, %.1f GiB usable", model.name, measure.layer_ms, measure.memory_bytes / 2**30)
+                await agent.inbox_send.send(ModelMeasured(measure))
+        await trio.sleep(0.5)
+
+
+async def _measure(name: str, root: Path | None) -> Measure:
+    local = str(root / name) if root is not None and not Path(name).is_absolute() else name
+    path = await trio.to_thread.run_sync(resolve, local)
+    cmd = [sys.executable, "-m", "p2pmesh.worker.measure", "--model", str(path)]
+    with trio.move_on_after(MEASURE_TIMEOUT_S) as scope:
+        result = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False)
+    if scope.cancelled_caught:
+        raise ModelError(f"measuring took more than {MEASURE_TIMEOUT_S:.0f} s")
+    if result.returncode != 0:
+        raise ModelError(f"the measuring worker failed: {result.stderr.decode(errors='replace')[-500:]}")
+    try:
+        data = json.loads(result.stdout.decode().strip().splitlines()[-1])
+        return Measure(name, int(data["memory_bytes"]), float(data["layer_ms"]))
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ModelError("the measuring worker printed no result") from None

@@ -1,0 +1,142 @@
+"""The JSON-lines protocol between the agent and a worker process (no MLX here).
+
+Owns the commands the agent writes to rank 0's stdin, their validation and limits, and
+the events every rank writes to stdout. Pure: the agent may import it to build commands
+and parse events with the same definitions. docs/inference.md has the full contract.
+
+stdout (one JSON object per line, every rank):
+  {"event": "ready", "rank": r, "layers": [s, e], "load_s": t}
+  {"event": "heartbeat", "rank": r, "t": unix_seconds}            every 0.5 s, from a thread
+  {"event": "error", "id": id?, "message": m}                      "id" only for a request's error
+rank 0 only:
+  {"event": "token", "id": id, "token": int, "text": "incremental text"}
+  {"event": "done", "id": id, "tokens": n, "finish": "stop"|"length", "text": "held-back text"}
+stdin (rank 0 only):
+  {"op": "generate", "id": str, "prompt": str|null, "prompt_tokens": [int]|null,
+   "max_tokens": n, "temperature": t, "top_p": p, "seed": s}
+  {"op": "shutdown"}                                                also: EOF on stdin
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MAX_LINE_BYTES = 4 << 20
+"""A command line longer than this is refused (and skipped up to its newline)."""
+MAX_PROMPT_TOKENS = 32768
+MAX_TOKENS_CAP = 8192
+MAX_ID_CHARS = 256
+SEED_LIMIT = 1 << 64
+DEFAULT_MAX_TOKENS = 256
+
+
+class CommandError(ValueError):
+    """A command line the agent wrote is malformed or out of bounds: the agent's fault.
+    `request_id` is the command's id when it could be read."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_line_bytes: int = MAX_LINE_BYTES
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
+    max_tokens_cap: int = MAX_TOKENS_CAP
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """A generation request. Exactly one of prompt (text, tokenized by rank 0) and
+    prompt_tokens (used as is) is set; prompt_tokens wins when both are given."""
+
+    id: str
+    prompt: str | None
+    prompt_tokens: tuple[int, ...] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+Command = Generate | Shutdown
+
+
+def parse_command(line: bytes | str, limits: Limits = Limits()) -> Command:
+    """One stdin line as a command; CommandError (with the id when known) otherwise."""
+    if len(line) > limits.max_line_bytes:
+        raise CommandError(f"command line of {len(line)} bytes exceeds {limits.max_line_bytes}")
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise CommandError(f"command is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise CommandError("command is not a JSON object")
+    rid = obj.get("id")
+    rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_CHARS else None
+    op = obj.get("op")
+    if op == "shutdown":
+        return Shutdown()
+    if op != "generate":
+        raise CommandError(f"unknown op {op!r} (expected \"generate\" or \"shutdown\")", rid)
+    if rid is None:
+        raise CommandError(f"generate needs an \"id\": a string of 1..{MAX_ID_CHARS} characters")
+    prompt, tokens = obj.get("prompt"), obj.get("prompt_tokens")
+    if tokens is not None:
+        if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
+            raise CommandError("prompt_tokens must be a list of non-negative integers", rid)
+        if len(tokens) > limits.max_prompt_tokens:
+            raise CommandError(f"prompt_tokens has {len(tokens)} tokens, more than {limits.max_prompt_tokens}", rid)
+        prompt = None
+    elif not isinstance(prompt, str):
+        raise CommandError("generate needs \"prompt\" (a string) or \"prompt_tokens\" (a list of ints)", rid)
+    max_tokens = obj.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_tokens_cap:
+        raise CommandError(f"max_tokens must be an integer in 1..{limits.max_tokens_cap}", rid)
+    temperature, top_p = obj.get("temperature", 0.0), obj.get("top_p", 1.0)
+    if not _is_number(temperature) or not (math.isfinite(temperature) and temperature >= 0):
+        raise CommandError("temperature must be a finite number >= 0", rid)
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise CommandError("top_p must be a number in (0, 1]", rid)
+    seed = obj.get("seed", 0)
+    if not _is_int(seed) or not 0 <= seed < SEED_LIMIT:
+        raise CommandError("seed must be an integer in [0, 2^64)", rid)
+    return Generate(rid, prompt, tuple(tokens) if tokens is not None else None, max_tokens, float(temperature), float(top_p), seed)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# Events. Plain dicts: the writer adds nothing but a newline.
+
+def ready(rank: int, layers: tuple[int, int], load_s: float) -> dict[str, Any]:
+    return {"event": "ready", "rank": rank, "layers": list(layers), "load_s": round(load_s, 3)}
+
+
+def heartbeat(rank: int, t: float) -> dict[str, Any]:
+    return {"event": "heartbeat", "rank": rank, "t": round(t, 3)}
+
+
+def token(request_id: str, token_id: int, text: str) -> dict[str, Any]:
+    return {"event": "token", "id": request_id, "token": token_id, "text": text}
+
+
+def done(request_id: str, tokens: int, finish: str, text: str) -> dict[str, Any]:
+    return {"event": "done", "id": request_id, "tokens": tokens, "finish": finish, "text": text}
+
+
+def error(message: str, request_id: str | None = None) -> dict[str, Any]:
+    return {"event": "error", **({"id": request_id} if request_id is not None else {}), "message": message}

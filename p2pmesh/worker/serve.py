@@ -1,0 +1,285 @@
+"""A pipeline worker: `python -m p2pmesh.worker.serve --model M --stages '[[0,3],[3,8]]' --rank R`.
+
+One process per rank of the committed ring. With two or more stages the agent sets
+MLX_RANK (= --rank) and MLX_HOSTFILE (core/mlx_hostfile.py) exactly as for ring_check, and
+the worker joins the ring group with mx.distributed.init(backend="ring"); a single stage
+runs alone, without mx.distributed. Each rank loads layers stages[rank] (worker/model.py),
+prints "ready", then rank 0 reads commands from stdin and streams tokens to stdout while
+the other ranks run their stage for every step rank 0 sends (worker/pipeline.py).
+
+The JSON-lines protocol is in worker/protocol.py and docs/inference.md. In short:
+  stdout, every rank: ready, heartbeat (every 0.5 s from a thread), error;
+  stdout, rank 0: token, done;
+  stdin, rank 0: {"op": "generate", ...}, {"op": "shutdown"}; EOF means shutdown.
+
+Exit status: 0 after a shutdown that every rank drained; 1 on a runtime failure (a peer
+lost, the pipeline out of sync, the watchdog); 2 when the arguments, the environment or
+the model are unusable (the caller's fault). MLX has no timeouts, so a C-level watchdog
+(--timeout-s) ends a rank that cannot form the group and load within that time, and again
+bounds the final drain; while serving the agent supervises (SIGTERM and SIGKILL end a
+worker at any time: no handler is installed).
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from typing import IO, Any
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+DEFAULT_TIMEOUT_S = 300.0
+DRAIN_TIMEOUT_S = 30.0
+HEARTBEAT_S = 0.5
+
+
+class Emitter:
+    """JSON lines on stdout, one writer at a time (the heartbeat thread and the main one)."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self._out = out
+        self._lock = threading.Lock()
+
+    def emit(self, event: dict[str, Any]) -> None:
+        line = json.dumps(event, separators=(",", ":"), ensure_ascii=False) + "\n"
+        with self._lock:
+            self._out.write(line)
+            self._out.flush()
+
+
+def start_heartbeat(emitter: Emitter, rank: int) -> threading.Event:
+    """Heartbeats every HEARTBEAT_S until the returned event is set. If stdout is gone the
+    agent is gone: the worker exits (nothing else would end a rank idling in MLX's recv)."""
+    from p2pmesh.worker import protocol
+
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                emitter.emit(protocol.heartbeat(rank, time.time()))
+            except (OSError, ValueError):
+                os._exit(EXIT_FAILED)
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+    return stop
+
+
+def parse_stages(text: str) -> list[tuple[int, int]]:
+    """[[s0, e0], [s1, e1], ...]: contiguous, non-empty, starting at layer 0."""
+    try:
+        raw = json.loads(text)
+        stages = [(int(s), int(e)) for s, e in raw]
+    except (ValueError, TypeError):
+        raise ValueError(f"--stages {text!r} is not a JSON list of [start, end] pairs") from None
+    if not stages or stages[0][0] != 0:
+        raise ValueError(f"--stages {stages} must start at layer 0")
+    for i, (s, e) in enumerate(stages):
+        if s >= e or (i and s != stages[i - 1][1]):
+            raise ValueError(f"--stages {stages}: stage {i} [{s}, {e}) is empty or not contiguous with the previous one")
+    return stages
+
+
+def read_line(stream: IO[bytes], limit: int) -> bytes | None:
+    """The next line (without its newline) of at most `limit` bytes; None at EOF. A longer
+    line raises LineTooLong after its remainder has been skipped."""
+    line = stream.readline(limit + 1)
+    if not line:
+        return None
+    if len(line) > limit and not line.endswith(b"\n"):
+        while line and not line.endswith(b"\n"):
+            line = stream.readline(1 << 16)
+        raise LineTooLong(f"command line longer than {limit} bytes")
+    return line.rstrip(b"\r\n")
+
+
+class LineTooLong(Exception):
+    """A stdin line over the limit: the agent's fault; the line is skipped."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m p2pmesh.worker.serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a local model directory or a Hugging Face id")
+    parser.add_argument("--stages", required=True, help="JSON [[start, end], ...], one layer range per rank")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="watchdog for group formation and loading")
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="max prompt tokens per pipeline step")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None)
+    parser.add_argument("--max-tokens-cap", type=int, default=None)
+    parser.add_argument("--max-line-bytes", type=int, default=None)
+    args = parser.parse_args(argv)
+    emitter = Emitter(sys.stdout)
+    # Armed before MLX is even imported: it fires while native code blocks (accept, recv).
+    faulthandler.dump_traceback_later(args.timeout_s, exit=True)
+    try:
+        stages = parse_stages(args.stages)
+        if not 0 <= args.rank < len(stages):
+            raise ValueError(f"--rank {args.rank} is not one of the {len(stages)} stages")
+    except ValueError as e:
+        return _fail(emitter, EXIT_USAGE, str(e))
+    heartbeat_stop = start_heartbeat(emitter, args.rank)
+    try:
+        return _run(args, stages, emitter)
+    finally:
+        heartbeat_stop.set()
+
+
+def _fail(emitter: Emitter, code: int, message: str, request_id: str | None = None) -> int:
+    from p2pmesh.worker import protocol
+
+    print(f"serve: {message}", file=sys.stderr, flush=True)
+    try:
+        emitter.emit(protocol.error(message, request_id))
+    except (OSError, ValueError):
+        pass
+    return code
+
+
+def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitter) -> int:
+    import mlx.core as mx
+
+    from p2pmesh.worker import protocol
+    from p2pmesh.worker.checkpoint import CheckpointError, read_config
+    from p2pmesh.worker.model import ModelError, load_shard, load_tokenizer, resolve_model
+    from p2pmesh.worker.pipeline import PREFILL_CHUNK, Driver, Link, Stage, serve_stage
+    from p2pmesh.worker.ring_check import EnvError, read_env
+
+    rank, size = args.rank, len(stages)
+    link: Link | None = None
+    try:
+        if size >= 2:
+            env_rank, env_size = read_env()
+            if (env_rank, env_size) != (rank, size):
+                raise EnvError(f"MLX_RANK/MLX_HOSTFILE say rank {env_rank} of {env_size}; --rank/--stages say {rank} of {size}")
+    except EnvError as e:
+        return _fail(emitter, EXIT_USAGE, str(e))
+    try:
+        start, end = stages[rank]
+        path = resolve_model(args.model, layers=(start, end))
+        config = read_config(path)
+        num_layers = int(config.get("text_config", config)["num_hidden_layers"])
+        if stages[-1][1] != num_layers:
+            raise ModelError(f"--stages end at layer {stages[-1][1]} but the model has {num_layers} layers")
+    except (ModelError, CheckpointError, KeyError, ValueError) as e:
+        return _fail(emitter, EXIT_USAGE, f"{type(e).__name__}: {e}")
+    try:
+        if size >= 2:
+            # init() once per process: MLX caches the group for the life of the process.
+            link = Link(mx.distributed.init(backend="ring", strict=True))
+        t0 = time.monotonic()
+        shard = load_shard(path, start, end)
+        load_s = time.monotonic() - t0
+        tokenizer = load_tokenizer(path, config) if rank == 0 else None
+        if link is not None:  # everyone loaded: the group is formed and usable
+            mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=link.group, stream=mx.cpu))
+    except (ModelError, CheckpointError) as e:
+        return _fail(emitter, EXIT_USAGE, f"{type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError for a failed group; report whatever it was
+        return _fail(emitter, EXIT_FAILED, f"{type(e).__name__}: {e}")
+    faulthandler.cancel_dump_traceback_later()
+    emitter.emit(protocol.ready(rank, (start, end), load_s))
+    stage = Stage(shard)
+    try:
+        if rank != 0:
+            assert link is not None
+            serve_stage(stage, link)
+        else:
+            limits = protocol.Limits(
+                max_line_bytes=args.max_line_bytes or protocol.MAX_LINE_BYTES,
+                max_prompt_tokens=args.max_prompt_tokens or protocol.MAX_PROMPT_TOKENS,
+                max_tokens_cap=args.max_tokens_cap or protocol.MAX_TOKENS_CAP,
+            )
+            driver = Driver(stage, link, args.prefill_chunk or PREFILL_CHUNK)
+            context = int(config.get("text_config", config).get("max_position_embeddings") or 0) or None
+            Server(driver, tokenizer, shard.vocab_size, limits, context, emitter).run(sys.stdin.buffer)
+            # Bound the drain: a peer that died after SHUTDOWN left would hang it forever.
+            faulthandler.dump_traceback_later(DRAIN_TIMEOUT_S, exit=True)
+            driver.shutdown()
+    except Exception as e:  # noqa: BLE001 - a dead peer, a desync or a bug: this epoch is over
+        return _fail(emitter, EXIT_FAILED, f"{type(e).__name__}: {e}", getattr(e, "request_id", None))
+    return EXIT_OK
+
+
+class RequestFailed(Exception):
+    """Generation failed mid-request (the pipeline broke): carries the request's id."""
+
+    def __init__(self, message: str, request_id: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class Server:
+    """Rank 0's command loop: one request at a time, in stdin order."""
+
+    def __init__(self, driver: Any, tokenizer: Any, vocab_size: int, limits: Any, context: int | None, emitter: Emitter) -> None:
+        self.driver, self.tokenizer, self.vocab_size = driver, tokenizer, vocab_size
+        self.limits, self.context, self.emitter = limits, context, emitter
+
+    def run(self, stdin: IO[bytes]) -> None:
+        """Until {"op": "shutdown"} or EOF. Bad commands get an error event; a failure of
+        the pipeline itself raises (the worker cannot continue)."""
+        from p2pmesh.worker import protocol
+
+        while True:
+            try:
+                line = read_line(stdin, self.limits.max_line_bytes)
+            except LineTooLong as e:
+                self.emitter.emit(protocol.error(str(e)))
+                continue
+            if line is None:
+                return
+            if not line.strip():
+                continue
+            try:
+                command = protocol.parse_command(line, self.limits)
+            except protocol.CommandError as e:
+                self.emitter.emit(protocol.error(str(e), e.request_id))
+                continue
+            if isinstance(command, protocol.Shutdown):
+                return
+            self.generate(command)
+
+    def generate(self, cmd: Any) -> None:
+        from p2pmesh.worker import protocol
+        from p2pmesh.worker.sampling import SamplingParams
+
+        if cmd.prompt_tokens is not None:
+            tokens = list(cmd.prompt_tokens)
+        else:
+            tokens = list(self.tokenizer.encode(cmd.prompt))
+        problem = None
+        if not tokens:
+            problem = "the prompt is empty"
+        elif len(tokens) > self.limits.max_prompt_tokens:
+            problem = f"the prompt has {len(tokens)} tokens, more than {self.limits.max_prompt_tokens}"
+        elif max(tokens) >= self.vocab_size:
+            problem = f"prompt token {max(tokens)} is outside the model's vocabulary of {self.vocab_size}"
+        elif self.context is not None and len(tokens) >= self.context:
+            problem = f"the prompt has {len(tokens)} tokens; the model's context is {self.context}"
+        if problem is not None:
+            self.emitter.emit(protocol.error(problem, cmd.id))
+            return
+        max_new = cmd.max_tokens if self.context is None else min(cmd.max_tokens, self.context - len(tokens))
+        params = SamplingParams(cmd.temperature, cmd.top_p, cmd.seed)
+        eos = set(self.tokenizer.eos_token_ids or ())
+        detok = self.tokenizer.detokenizer
+        count, finish = 0, "length"
+        try:
+            for tok in self.driver.generate(tokens, max_new, params):
+                if tok in eos:
+                    finish = "stop"
+                    break
+                detok.add_token(tok)
+                count += 1
+                self.emitter.emit(protocol.token(cmd.id, tok, detok.last_segment))
+        except Exception as e:  # noqa: BLE001 - report it against the request, then end the worker
+            raise RequestFailed(f"generation failed: {type(e).__name__}: {e}", cmd.id) from e
+        detok.finalize()
+        self.emitter.emit(protocol.done(cmd.id, count, finish, detok.last_segment))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Worker processes: the agent starts, feeds, watches and stops the MLX workers its data-plane
+epochs need (core/dataplane.py decides which; this module only carries it out).
+
+One process per epoch and node (MLX cannot re-form a group inside a process). The worker
+protocol is JSON lines (docs/inference.md): events on its stdout become core inputs
+(WorkerLoaded, WorkerOutput); requests for the head go to rank 0's stdin. A worker that
+stops sending heartbeats is killed: MLX hangs forever on a silent peer, so liveness is the
+agent's job. A worker never outlives its agent: on Linux the kernel kills it when the agent
+dies (PR_SET_PDEATHSIG); everywhere, rank 0 exits when its stdin closes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from p2pmesh.core import dataplane
+from p2pmesh.core.machine import WorkerLoaded, WorkerOutput
+from p2pmesh.core.mlx_hostfile import MlxConfigError, ring_hostfile
+from p2pmesh.core.serving import WorkerSubmit
+
+if TYPE_CHECKING:
+    from p2pmesh.agent import Agent
+
+log = logging.getLogger("p2pmesh.workers")
+
+RECONCILE_S = 0.2
+HEARTBEAT_TIMEOUT_S = 10.0
+"""A worker silent this long is hung (a worker sends one every 0.5 s, from a thread)."""
+STOP_GRACE_S = 3.0
+LINE_BYTES_MAX = 1 << 20
+EPOCH_PORT_STRIDE = 16
+EPOCH_PORT_SLOTS = 64
+"""Each epoch's ranks listen on base + (epoch mod 64) * 16 + rank, so a pending epoch's
+workers never collide with the active epoch's while both run (make before break)."""
+
+
+def epoch_base_port(base: int, epoch: int) -> int:
+    return base + (epoch % EPOCH_PORT_SLOTS) * EPOCH_PORT_STRIDE
+
+
+@dataclass
+class _Worker:
+    epoch: int
+    rank: int
+    process: trio.Process
+    started: float
+    last_heartbeat: float
+    ready: bool = False
+    stdin_lock: trio.Lock = field(default_factory=trio.Lock)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Supervisor:
+    def __init__(self, agent: Agent, *, base_port: int, model_root: Path | None = None) -> None:
+        self.agent = agent
+        self.base_port = base_port
+        self.model_root = model_root
+        self.workers: dict[int, _Worker] = {}
+        self.failed: set[int] = set()
+        """Epochs whose worker failed here: not restarted (the group cannot re-form with
+        one new rank); the leader moves the cluster to a new epoch instead."""
+
+    # ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            try:
+                while True:  # for the agent's lifetime
+                    await self._reconcile(nursery)
+                    await trio.sleep(RECONCILE_S)
+            finally:
+                with trio.CancelScope(shield=True):
+                    for w in list(self.workers.values()):
+                        await self._stop(w)
+
+    async def _reconcile(self, nursery: trio.Nursery) -> None:
+        m = self.agent.machine
+        if m is None or m.raft is None:
+            return
+        state = m.raft.state
+        wanted = {w.epoch: w for w in dataplane.wanted_workers(state, self.agent.identity.node_id)}
+        for epoch, w in list(self.workers.items()):
+            if epoch not in wanted:
+                del self.workers[epoch]
+                nursery.start_soon(self._stop, w)
+            elif trio.current_time() - w.last_heartbeat > HEARTBEAT_TIMEOUT_S:
+                log.warning("worker of epoch %d sent no heartbeat for %.0f s: stopping it", epoch, HEARTBEAT_TIMEOUT_S)
+                del self.workers[epoch]
+                self.failed.add(epoch)
+                nursery.start_soon(self._stop, w)
+        for epoch, want in wanted.items():
+            if epoch not in self.workers and epoch not in self.failed:
+                hops = state.placement_hops if epoch == state.placement_epoch else state.active_hops
+                await self._start(nursery, want, hops)
+
+    async def _start(self, nursery: trio.Nursery, want: dataplane.WantedWorker, hops: Any) -> None:
+        cfg_dir = self.agent.config.state_dir / "workers"
+        cfg_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        stages = [[s.start, s.end] for s in want.stages]
+        if len(want.stages) >= 2:
+            order = [s.node_id for s in want.stages]
+            try:
+                hostfile = ring_hostfile(order, hops, epoch_base_port(self.base_port, want.epoch))
+            except MlxConfigError as exc:
+                log.warning("cannot start the worker of epoch %d: %s", want.epoch, exc)
+                self.failed.add(want.epoch)
+                return
+            path = cfg_dir / f"hostfile-{want.epoch}.json"
+            path.write_text(json.dumps(hostfile), encoding="utf-8")
+            env.update(MLX_RANK=str(want.rank), MLX_HOSTFILE=str(path))
+        model = want.model
+        if self.model_root is not None and not os.path.isabs(model):
+            model = str(self.model_root / model)
+        cmd = [sys.executable, "-m", "p2pmesh.worker.serve", "--model", model, "--stages", json.dumps(stages), "--rank", str(want.rank)]
+        log_file = open(cfg_dir / f"worker-{want.epoch}.log", "ab")  # noqa: SIM115 - owned by the process
+        try:
+            process = await trio.lowlevel.open_process(
+                cmd, stdin=-1, stdout=-1, stderr=log_file, env=env, preexec_fn=_die_with_parent  # -1: subprocess.PIPE
+            )
+        finally:
+            log_file.close()
+        now = trio.current_time()
+        worker = _Worker(want.epoch, want.rank, process, now, now)
+        self.workers[want.epoch] = worker
+        log.info("started the worker of epoch %d: rank %d of %d, layers %s", want.epoch, want.rank, len(stages), stages[want.rank])
+        nursery.start_soon(self._read_events, worker)
+
+    async def _read_events(self, w: _Worker) -> None:
+        stream = w.process.stdout
+        assert stream is not None
+        buffer = b""
+        while True:
+            try:
+                chunk = await stream.receive_some(65536)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                chunk = b""
+            if not chunk:
+                break
+            buffer += chunk
+            if len(buffer) > LINE_BYTES_MAX and b"\n" not in buffer:
+                log.warning("worker of epoch %d wrote an oversized line: dropped", w.epoch)
+                buffer = b""
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                await self._event(w, line)
+        code = await w.process.wait()
+        if self.workers.get(w.epoch) is w:
+            del self.workers[w.epoch]
+            self.failed.add(w.epoch)
+            log.warning("the worker of epoch %d exited with %s", w.epoch, code)
+
+    async def _event(self, w: _Worker, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+            kind = event["event"]
+        except (ValueError, KeyError, TypeError):
+            log.debug("worker of epoch %d: not an event: %r", w.epoch, line[:200])
+            return
+        w.last_heartbeat = trio.current_time()
+        inbox = self.agent.inbox_send
+        if kind == "ready":
+            w.ready = True
+            log.info("worker of epoch %d ready (rank %d, loaded in %.2f s)", w.epoch, w.rank, float(event.get("load_s") or 0))
+            await inbox.send(WorkerLoaded(w.epoch))
+        elif kind in ("token", "done", "error") and event.get("id") is not None:
+            done = kind != "token"
+            tokens = (int(event["token"]),) if kind == "token" else ()
+            finish = str(event.get("finish") or ("error" if kind == "error" else ""))
+            text = str(event.get("text") or event.get("message") or "")
+            prompt = tuple(int(t) for t in event.get("prompt_tokens") or ())
+            await inbox.send(WorkerOutput(w.epoch, str(event["id"]), tokens, text, done, finish, prompt))
+        elif kind == "error":
+            log.warning("worker of epoch %d: %s", w.epoch, event.get("message"))
+
+    async def submit(self, s: WorkerSubmit) -> None:
+        """Hand a request to the local head worker of its epoch (rank 0)."""
+        w = self.workers.get(s.epoch)
+        if w is None or w.rank != 0 or w.process.stdin is None:
+            await self.agent.inbox_send.send(WorkerOutput(s.epoch, s.req, (), "no head worker here for that epoch", True, "error", ()))
+            return
+        p = s.params
+        line = json.dumps({
+            "op": "generate", "id": s.req, "prompt": p.prompt, "prompt_tokens": list(p.prompt_tokens) or None,
+            "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed,
+        }).encode() + b"\n"
+        async with w.stdin_lock:
+            try:
+                await w.process.stdin.send_all(line)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.agent.inbox_send.send(WorkerOutput(s.epoch, s.req, (), "the head worker is gone", True, "error", ()))
+
+    async def _stop(self, w: _Worker) -> None:
+        """Ask a worker to drain and exit; kill it if it does not within the grace time."""
+        p = w.process
+        if p.returncode is None and p.stdin is not None and w.rank == 0:
+            with trio.move_on_after(0.5):
+                try:
+                    await p.stdin.send_all(b'{"op": "shutdown"}\n')
+                    await p.stdin.aclose()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+        if p.returncode is None:
+            p.send_signal(signal.SIGTERM)
+        with trio.move_on_after(STOP_GRACE_S):
+            await p.wait()
+        if p.returncode is None:
+            p.kill()
+            with trio.move_on_after(STOP_GRACE_S):
+                await p.wait()
+        log.info("worker of epoch %d stopped (%s)", w.epoch, p.returncode)

@@ -1,0 +1,214 @@
+"""Distributed inference with real agents on loopback: real agent processes, real
+`mx.distributed` ring workers, a tiny model made by scripts/make_tiny_model.py.
+
+- 3 agents whose memory limits force a 3-stage pipeline generate exactly the tokens a
+  single mlx-lm process generates;
+- an agent holding a stage is SIGKILLed mid-generation: the request finishes on the new
+  epoch with identical tokens;
+- a Mac that can hold the whole model joins during a generation: the layers move onto it
+  (make before break) and the generation finishes with identical tokens, no request failing.
+"""
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.agent.harness import ROOT, AgentProc, free_port, one_cluster, wait_for
+
+FORM_TIMEOUT_S = 40
+SERVE_TIMEOUT_S = 90
+LAYERS = 6
+CONTEXT = 512
+REFERENCE_TOKENS = 200
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tiny_model import make_tiny_model
+
+    out = tmp_path_factory.mktemp("model") / "tiny-llama"
+    make_tiny_model(out, family="llama", layers=LAYERS, hidden=64, seed=3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> list[int]:
+    """Greedy tokens of one plain mlx-lm process (the worker package is not involved)."""
+    code = f"""
+import json, mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+model, tok = load({str(tiny_model)!r})
+prompt = mx.array(tok.encode({PROMPT!r}))
+out = []
+for (t, _), _ in zip(generate_step(prompt, model, sampler=lambda x: mx.argmax(x, axis=-1)), range({REFERENCE_TOKENS})):
+    out.append(int(t))
+print(json.dumps(out))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _layer_bytes(model: Path) -> int:
+    from p2pmesh.models import describe
+
+    info = describe(str(model), model, CONTEXT)
+    return info.layer_bytes + info.kv_bytes_per_token_per_layer * CONTEXT, info.embed_bytes  # type: ignore[return-value]
+
+
+def _agents(tmp_path: Path, n: int, memory: list[int]) -> list[AgentProc]:
+    from p2pmesh.drivers.keys import write_key
+
+    key = tmp_path / "key"
+    write_key(key, bytes(range(5, 37)))
+    port = free_port()
+    listens = [f"127.0.0.{i + 2}:{port}" for i in range(n)]
+    data = random.Random().randrange(20000, 40000)
+    out = []
+    for i in range(n):
+        extra = ["--no-mdns", "--memory-limit", str(memory[i]), "--data-port", str(data)]
+        a = AgentProc(tmp_path / f"m{i}", listens[i], peers=[x for x in listens if x != listens[i]], key_file=key, extra=extra)
+        a.state_dir.mkdir()
+        out.append(a)
+    return out
+
+
+def _placement(a: AgentProc) -> dict[str, Any] | None:
+    s = a.status()
+    return s.get("placement") if s else None
+
+
+def _serving(a: AgentProc, stages: int) -> dict[str, Any] | None:
+    p = _placement(a)
+    if not p or not p["serving"] or len(p["stages"]) != stages or "pending" in p:
+        return None
+    return p
+
+
+def _set_model(a: AgentProc, model: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "p2pmesh", "model", "set", str(model), "--context-tokens", str(CONTEXT),
+                        "--state-dir", str(a.state_dir)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def _generate(a: AgentProc, max_tokens: int, on_token: Any = None) -> tuple[list[int], dict[str, Any]]:
+    from p2pmesh.drivers.control import stream
+
+    tokens: list[int] = []
+    last: dict[str, Any] = {}
+    for event in stream(a.state_dir / "agent.sock", "generate", idle_timeout_s=120, prompt=PROMPT, max_tokens=max_tokens):
+        tokens += event["tokens"]
+        last = event
+        if on_token is not None:
+            on_token(len(tokens))
+    return tokens, last
+
+
+def _check_stages(p: dict[str, Any]) -> None:
+    """Every layer has exactly one owner: the stages tile [0, LAYERS)."""
+    at = 0
+    for s in p["stages"]:
+        assert s["layers"][0] == at and s["layers"][1] > at
+        at = s["layers"][1]
+    assert at == LAYERS
+
+
+def _stop(agents: list[AgentProc]) -> None:
+    for a in agents:
+        a.stop()
+
+
+def test_three_stage_generation_equals_one_process(tmp_path: Path, tiny_model: Path, reference: list[int]) -> None:
+    per_layer, extras = _layer_bytes(tiny_model)
+    # Room for 2-3 layers (plus embeddings) each: the model needs all three Macs.
+    agents = _agents(tmp_path, 3, [extras + per_layer * 2 + per_layer // 2] * 3)
+    try:
+        for a in agents:
+            a.start()
+        wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
+        _set_model(agents[0], tiny_model)
+        p = wait_for(lambda: _serving(agents[1], 3), SERVE_TIMEOUT_S, "a serving 3-stage placement")
+        _check_stages(p)
+        tokens, last = _generate(agents[2], 24)
+        assert last["final"] and last["finish"] == "length"
+        assert tokens == reference[:24]
+    finally:
+        _stop(agents)
+
+
+def test_killing_a_stage_mid_generation_finishes_with_identical_tokens(tmp_path: Path, tiny_model: Path, reference: list[int]) -> None:
+    per_layer, extras = _layer_bytes(tiny_model)
+    # Each Mac holds 4 layers at most: two stages serve, the third Mac is spare.
+    agents = _agents(tmp_path, 3, [extras + per_layer * 4 + per_layer // 2] * 3)
+    try:
+        for a in agents:
+            a.start()
+        wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
+        _set_model(agents[0], tiny_model)
+        p = wait_for(lambda: _serving(agents[0], 2), SERVE_TIMEOUT_S, "a serving 2-stage placement")
+        ids = [a.status()["node_id"] for a in agents]  # type: ignore[index]
+        staged = [ids.index(s["node_id"]) for s in p["stages"]]
+        origin = next(i for i in range(3) if i not in staged)  # ask the spare Mac
+        victim = staged[-1]
+        killed = threading.Event()
+
+        def on_token(count: int) -> None:
+            if count == 5 and not killed.is_set():
+                killed.set()
+                agents[victim].signal(signal.SIGKILL)
+
+        tokens, last = _generate(agents[origin], REFERENCE_TOKENS, on_token)
+        assert killed.is_set()
+        assert last["finish"] == "length" and tokens == reference
+        survivor = agents[origin]
+        assert survivor.status()["requests_resumed"] >= 1  # type: ignore[index]  # it really moved epochs
+        p = wait_for(lambda: _serving(survivor, 2), SERVE_TIMEOUT_S, "serving again without the dead Mac")
+        assert ids[victim] not in [s["node_id"] for s in p["stages"]]
+        _check_stages(p)
+    finally:
+        _stop(agents)
+
+
+def test_a_joining_mac_takes_the_layers_while_a_generation_runs(tmp_path: Path, tiny_model: Path, reference: list[int]) -> None:
+    per_layer, extras = _layer_bytes(tiny_model)
+    small = extras + per_layer * 4 + per_layer // 2
+    big = extras + per_layer * (LAYERS + 2)
+    agents = _agents(tmp_path, 3, [small, small, big])
+    try:
+        for a in agents[:2]:
+            a.start()
+        wait_for(lambda: one_cluster(agents[:2], 2), FORM_TIMEOUT_S, "one cluster of 2")
+        _set_model(agents[0], tiny_model)
+        wait_for(lambda: _serving(agents[0], 2), SERVE_TIMEOUT_S, "a serving 2-stage placement")
+        agents[2].start()  # the big Mac joins while requests keep coming
+        # The joined Mac can hold everything alone, which is faster (no hops): it takes the
+        # layers. Every request made meanwhile must finish with the right tokens.
+        done = 0
+        deadline = SERVE_TIMEOUT_S
+        import time
+
+        start = time.monotonic()
+        while time.monotonic() - start < deadline:
+            tokens, last = _generate(agents[0], 60)
+            assert last["finish"] == "length" and tokens == reference[:60], f"request {done} went wrong"
+            done += 1
+            if _serving(agents[0], 1):
+                break
+        big_id = agents[2].status()["node_id"]  # type: ignore[index]
+        p = wait_for(lambda: _serving(agents[0], 1), SERVE_TIMEOUT_S, "the layers on the joined Mac")
+        assert p["stages"] == [{"node_id": big_id, "layers": [0, LAYERS]}]
+        tokens, last = _generate(agents[1], 12)
+        assert tokens == reference[:12]
+    finally:
+        _stop(agents)

@@ -1,0 +1,104 @@
+"""The data-plane lifecycle in the core: a model set through any member, measurements,
+a pending placement whose workers load while nothing (or the old epoch) serves, activation
+once every stage is ready, requests routed to the head, and a new epoch when a stage's
+Mac goes down (core/dataplane.py, core/serving.py inside the node machine)."""
+from __future__ import annotations
+
+from p2pmesh.core.machine import GenerateRequested, Machine, ModelMeasured, ProposalRequested, WorkerLoaded, WorkerOutput
+from p2pmesh.core.messages import Measure, ModelInfo, SetModel
+from p2pmesh.core.serving import GenerateParams
+from tests.core.test_machine import Driver, formed, leader_of
+
+LAYERS = 8
+MODEL = ModelInfo("tiny", LAYERS, 1000, 10, 100, 64, 500)
+NEEDS_TWO = 500 + 5 * (1000 + 10 * 100)
+"""Memory for embeddings plus five layers with their KV cache: two Macs are needed."""
+
+
+def _state(m: Machine):  # type: ignore[no-untyped-def]
+    assert m.raft is not None
+    return m.raft.state
+
+
+def _serve(d: Driver, ids: list, memory: int = NEEDS_TWO):  # type: ignore[no-untyped-def, type-arg]
+    follower = next(n for n in ids if n != leader_of(d).node_id)
+    d.handle(follower, ProposalRequested(SetModel(MODEL)))  # forwarded to the leader
+    d.run(500)
+    for n in ids:
+        d.handle(n, ModelMeasured(Measure("tiny", memory, 0.5)))
+    assert d.run_until(lambda: _state(leader_of(d)).placement_epoch > 0, 5_000)
+    return _state(leader_of(d))
+
+
+def test_a_placement_waits_for_every_stage_then_activates() -> None:
+    d, ids = formed(3)
+    state = _serve(d, ids)
+    stages = state.placement
+    assert len(stages) == 2 and stages[0].start == 0 and stages[-1].end == LAYERS and stages[0].end == stages[1].start
+    assert state.active == () and state.active_epoch < state.placement_epoch  # pending: nothing serves yet
+    d.handle(stages[0].node_id, WorkerLoaded(state.placement_epoch))
+    d.run(500)
+    assert _state(leader_of(d)).active == ()  # one stage is not enough
+    d.handle(stages[1].node_id, WorkerLoaded(state.placement_epoch))
+    assert d.run_until(lambda: _state(leader_of(d)).active == stages, 5_000)
+    assert d.run_until(lambda: {_state(m).active_epoch for m in d.machines.values()} == {state.placement_epoch}, 2_000)
+
+
+def test_a_request_goes_to_the_head_and_its_tokens_come_back() -> None:
+    d, ids = formed(3)
+    state = _serve(d, ids)
+    for s in state.placement:
+        d.handle(s.node_id, WorkerLoaded(state.placement_epoch))
+    assert d.run_until(lambda: bool(_state(leader_of(d)).active), 5_000)
+    head = state.placement[0].node_id
+    origin = next(n for n in ids if n != head)
+    d.handle(origin, GenerateRequested("r1", GenerateParams("hi", (), 2, 0.0, 1.0, 0)))
+    d.run(100)
+    submits = [s for r in d.readies[head] for s in r.submits]
+    assert [s.req for s in submits] == ["r1"]
+    epoch = submits[0].epoch
+    d.handle(head, WorkerOutput(epoch, "r1", (7,), "a", False, "", (1, 2)))
+    d.handle(head, WorkerOutput(epoch, "r1", (8,), "b", True, "length", ()))
+    d.run(100)
+    events = [e for r in d.readies[origin] for e in r.client]
+    assert [e.tokens for e in events] == [(7,), (8,)] and events[-1].done and events[-1].finish == "length"
+
+
+def test_a_stage_going_down_moves_the_cluster_to_a_new_epoch_and_the_request_resumes() -> None:
+    d, ids = formed(3)
+    state = _serve(d, ids)
+    for s in state.placement:
+        d.handle(s.node_id, WorkerLoaded(state.placement_epoch))
+    assert d.run_until(lambda: bool(_state(leader_of(d)).active), 5_000)
+    first = _state(leader_of(d))
+    spare = next(n for n in ids if n not in {s.node_id for s in first.active})
+    victim = next(s.node_id for s in first.active if s.node_id != leader_of(d).node_id)
+    d.handle(spare, GenerateRequested("r1", GenerateParams("hi", (), 5, 0.0, 1.0, 0)))
+    d.run(50)
+    head = first.active[0].node_id
+    if head != victim:
+        d.handle(head, WorkerOutput(first.active_epoch, "r1", (7,), "a", False, "", (1, 2)))
+    d.cut.add(victim)  # the Mac goes silent: marked down, leaves the ring and the placement
+    assert d.run_until(lambda: _state(leader_of(d)).placement_epoch > first.active_epoch
+                       and victim not in {s.node_id for s in _state(leader_of(d)).placement}, 10_000)
+    new = _state(leader_of(d))
+    for s in new.placement:
+        d.handle(s.node_id, WorkerLoaded(new.placement_epoch))
+    assert d.run_until(lambda: _state(leader_of(d)).active_epoch == new.placement_epoch, 5_000)
+    new_head = new.placement[0].node_id
+    d.run(200)
+    resubmitted = [s for r in d.readies[new_head] for s in r.submits if s.epoch == new.placement_epoch]
+    assert len(resubmitted) == 1
+    if head != victim:  # the one token already generated is kept: only the rest is asked for
+        assert resubmitted[0].params.prompt_tokens == (1, 2, 7) and resubmitted[0].params.max_tokens == 4
+
+
+def test_a_model_that_fits_nowhere_is_not_placed() -> None:
+    d, ids = formed(2)
+    follower = next(n for n in ids if n != leader_of(d).node_id)
+    d.handle(follower, ProposalRequested(SetModel(MODEL)))
+    d.run(300)
+    for n in ids:
+        d.handle(n, ModelMeasured(Measure("tiny", 2000, 0.5)))  # room for one layer each
+    d.run(2_000)
+    assert _state(leader_of(d)).active == () and _state(leader_of(d)).placement == ()
