@@ -1,13 +1,78 @@
-"""`p2pmesh plan solve`: placement planning for a described cluster (being written)."""
+"""`p2pmesh plan solve SCENARIO.json`: the layer placement for a described cluster.
+
+A thin shell over core/placement.py (docs/placement.md): read the file, parse it, solve with
+the chosen strategy (ours or the memory-proportional baseline), print. Exit codes: 0 a
+plan, 1 the model fits nowhere (stderr says how much memory is missing), 2 the file is
+unreadable or malformed.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 from typing import Any
+
+EXIT_OK, EXIT_NO_FIT, EXIT_USAGE = 0, 1, 2
+STRATEGIES = ("ours", "memory-proportional")
 
 
 def add_parser(subparsers: Any) -> None:
-    subparsers.add_parser("plan", help="plan layer placement (being written)")
+    plan = subparsers.add_parser("plan", help="plan which Mac runs which layers (`plan solve`)")
+    plan_sub = plan.add_subparsers(dest="plan_command", required=True)
+    solve = plan_sub.add_parser("solve", help="place a model's layers on a described cluster (docs/placement.md)")
+    solve.add_argument("scenario", type=Path, help='SCENARIO.json: {"model": {...}, "nodes": [...], "links": [...]}')
+    solve.add_argument("--json", action="store_true", help="print one JSON object")
+    solve.add_argument("--strategy", choices=STRATEGIES, default="ours",
+                       help="ours (default) or the memory-proportional baseline other systems use")
+    solve.add_argument("--objective", choices=("latency", "throughput"), default="latency",
+                       help="latency: fastest single stream (default); throughput: fastest slowest stage")
 
 
 def run(args: argparse.Namespace) -> int:
-    return 2
+    from p2pmesh.core.placement import (
+        PlacementError,
+        memory_proportional,
+        parse_current,
+        parse_scenario,
+        solve_placement,
+    )
+
+    try:
+        data = json.loads(args.scenario.read_text(encoding="utf-8"))
+    except OSError as exc:
+        print(f"p2pmesh: cannot read {args.scenario}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        print(f"p2pmesh: {args.scenario} is not JSON: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        model, nodes, links = parse_scenario(data)
+        current, margin = parse_current(data)
+    except ValueError as exc:
+        print(f"p2pmesh: {args.scenario}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if args.strategy == "ours":
+            plan = solve_placement(model, nodes, links, objective=args.objective, current=current, margin=margin)
+        else:
+            plan = memory_proportional(model, nodes, links)
+    except PlacementError as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        return EXIT_NO_FIT
+    except ValueError as exc:  # e.g. a current plan naming a Mac twice: the input's fault
+        print(f"p2pmesh: {args.scenario}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    out = {"strategy": args.strategy, "objective": args.objective if args.strategy == "ours" else "memory", **plan.to_json()}
+    if args.json:
+        print(json.dumps(out))
+        return EXIT_OK
+    width = max(len(s.node_id) for s in plan.stages)
+    for k, s in enumerate(plan.stages, 1):
+        print(f"stage {k}: {s.node_id:<{width}}  layers {s.start}-{s.end - 1} ({s.layers} layers)")
+    idle = [n.node_id for n in nodes if all(s.node_id != n.node_id for s in plan.stages)]
+    if idle:
+        print(f"no layers: {', '.join(idle)}")
+    print(f"predicted time per token: {plan.tpot_ms:.3f} ms ({1000 / plan.tpot_ms:.1f} tokens/s single stream); "
+          f"slowest stage {plan.bottleneck_ms:.3f} ms")
+    return EXIT_OK

@@ -67,6 +67,9 @@ class _Origin:
     generated: list[int] = field(default_factory=list)
     sent_to: tuple[NodeId, int] | None = None
     """(head, epoch) the request was last sent to."""
+    skip: int = 0
+    """Tokens to drop from the current stream: a request replayed from its prompt text
+    (the head never told us the prompt's tokens) regenerates what the client already has."""
     stale_epoch: int = -1
     """An epoch a head told us is over: do not send there again before our state moves."""
     resumes: int = 0
@@ -118,8 +121,16 @@ class Router:
             return  # a request we gave up, or a late reply from an epoch we moved away from
         if msg.prompt_tokens and not o.prompt_tokens:
             o.prompt_tokens = msg.prompt_tokens
-        if msg.tokens:
-            o.generated.extend(msg.tokens)
+        tokens = msg.tokens
+        if o.skip and tokens:
+            dropped = min(o.skip, len(tokens))
+            o.skip -= dropped
+            tokens = tokens[dropped:]
+            if not tokens and not msg.done:
+                o.progress_ms = now_ms
+                return
+        if tokens:
+            o.generated.extend(tokens)
             o.progress_ms = now_ms
         finish = msg.finish
         if not msg.done and len(o.generated) >= o.params.max_tokens:
@@ -129,7 +140,7 @@ class Router:
             o.sent_to = None  # the head moved on before us: send again once we catch up
             o.stale_epoch = msg.epoch
             return
-        self.client.append(ClientEvent(msg.req, msg.tokens, msg.text, done, finish if done else ""))
+        self.client.append(ClientEvent(msg.req, tokens, msg.text, done, finish if done else ""))
         if done:
             del self.origins[msg.req]
 
@@ -167,8 +178,10 @@ class Router:
     def _request(self, req: str, o: _Origin, epoch: int) -> InferRequest:
         p = o.params
         if o.generated and o.prompt_tokens:
+            o.skip = 0
             tokens = o.prompt_tokens + tuple(o.generated)
             return InferRequest(self.me, req, epoch, None, tokens, p.max_tokens - len(o.generated), p.temperature, p.top_p, p.seed)
+        o.skip = len(o.generated)  # replay from the start; drop what the client already has
         return InferRequest(self.me, req, epoch, p.prompt, p.prompt_tokens, p.max_tokens, p.temperature, p.top_p, p.seed)
 
     def _serve(self, head: NodeId | None, epoch: int) -> None:

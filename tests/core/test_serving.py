@@ -114,3 +114,19 @@ def test_bounds_duplicate_ids_and_no_serving_epoch() -> None:
     r.tick(None, None, 0, STALL_MS)
     _, _, client = r.take()
     assert len(client) == REQUESTS_MAX and all(e.finish == "error" for e in client)
+
+
+def test_without_the_prompt_tokens_a_resume_replays_and_skips_what_the_client_has() -> None:
+    origin = Router(A)
+    origin.requested("r1", PARAMS, 0)
+    origin.tick(None, B, 3, 0)
+    origin.take()
+    origin.on_tokens(InferTokens(B, "r1", 3, (11,), "x", False, "", ()), 1)  # no prompt tokens reported
+    origin.take()
+    origin.tick(None, C, 4, 2)
+    [(_, again)] = _requests(origin)
+    assert again.prompt == "hello" and again.max_tokens == PARAMS.max_tokens
+    origin.on_tokens(InferTokens(C, "r1", 4, (11,), "x", False, "", ()), 3)  # the replayed first token
+    assert origin.take()[2] == []
+    origin.on_tokens(InferTokens(C, "r1", 4, (12,), "y", False, "", ()), 4)
+    assert [e.tokens for e in origin.take()[2]] == [(12,)]

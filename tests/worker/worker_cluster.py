@@ -32,8 +32,10 @@ class ClusterError(AssertionError):
 
 
 class Cluster:
-    def __init__(self, model: Path, stages: list[list[int]], workdir: Path, extra: list[str] | None = None) -> None:
+    def __init__(self, model: Path, stages: list[list[int]], workdir: Path, extra: list[str] | None = None,
+                 *, timestamps: bool = False) -> None:
         self.model, self.stages, self.workdir = model, stages, workdir
+        self.timestamps = timestamps  # add "_t" = time.monotonic() on arrival to every event (the benchmark's clock)
         self.extra = extra or []
         self.procs: list[subprocess.Popen[bytes]] = []
         self.events: list[queue.Queue[dict[str, Any]]] = []
@@ -72,6 +74,8 @@ class Cluster:
                 event = json.loads(raw)
             except ValueError:
                 event = {"event": "raw", "line": raw.decode(errors="replace")}
+            if self.timestamps:
+                event["_t"] = time.monotonic()
             if event.get("event") == "heartbeat":
                 self.heartbeats[rank] += 1
             else:

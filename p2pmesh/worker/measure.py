@@ -1,0 +1,110 @@
+"""What this Mac offers for a model: `python -m p2pmesh.worker.measure --model PATH`.
+
+Prints one JSON object for the planner:
+  layer_ms                       median time of one decoder layer's decode step (one token,
+                                 CONTEXT tokens already cached), measured on this machine
+  memory_bytes                   usable memory: MLX's max recommended working set on macOS
+                                 (Metal), MemAvailable from /proc/meminfo on Linux
+  layers, layer_bytes, embed_bytes, head_bytes, kv_bytes_per_token_per_layer,
+  activation_bytes, total_bytes  from config.json and the safetensors headers
+                                 (core/model_spec.py, the same arithmetic the planner runs)
+Only one layer is loaded for the timing (a middle one when there are three or more, so
+no embeddings or head are read).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CONTEXT = 256
+"""Tokens in the KV cache while timing: a modest context, where a decode step is
+dominated by the layer's weights rather than by attention over the cache."""
+WARMUP, STEPS = 3, 20
+
+
+def model_sizes(path: Path) -> dict[str, Any]:
+    """The model_spec numbers from config.json and the safetensors headers (no weights read)."""
+    from p2pmesh.core.model_spec import model_spec
+    from p2pmesh.worker.checkpoint import locate, read_config
+
+    spec = model_spec(read_config(path), {name: loc.entry.nbytes for name, loc in locate(path).items()})
+    return {
+        "layers": spec.layers,
+        "layer_bytes": spec.layer_bytes,
+        "embed_bytes": spec.embed_bytes,
+        "head_bytes": spec.head_bytes,
+        "kv_bytes_per_token_per_layer": spec.kv_bytes_per_token_per_layer,
+        "activation_bytes": spec.activation_bytes,
+        "total_bytes": spec.total_bytes,
+    }
+
+
+def usable_memory_bytes() -> int:
+    """Metal's recommended working set on a Mac; MemAvailable on Linux; 0 if unknown."""
+    import mlx.core as mx
+
+    if sys.platform == "darwin":
+        info = mx.device_info()
+        return int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def layer_decode_ms(path: Path, layers: int, context: int = CONTEXT) -> float:
+    """Median wall time of one decoder layer processing one token with `context` cached."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from p2pmesh.worker.model import load_shard
+
+    index = 1 if layers >= 3 else 0
+    shard = load_shard(path, index, index + 1)
+    layer = shard.model.model.layers[0]
+    dtype = next(v.dtype for _, v in tree_flatten(layer.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+    cache = shard.make_cache()[0]
+    key = mx.random.key(0)
+    mx.eval(layer(mx.random.normal((1, context, shard.hidden_size), key=key).astype(dtype), "causal", cache), cache.state)
+    times = []
+    for i in range(WARMUP + STEPS):
+        h = mx.random.normal((1, 1, shard.hidden_size), key=mx.random.key(i + 1)).astype(dtype)
+        mx.eval(h)
+        t0 = time.perf_counter()
+        mx.eval(layer(h, None, cache))
+        if i >= WARMUP:
+            times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m p2pmesh.worker.measure", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a local model directory or a Hugging Face id")
+    parser.add_argument("--context", type=int, default=CONTEXT)
+    args = parser.parse_args(argv)
+    from p2pmesh.worker.checkpoint import CheckpointError
+    from p2pmesh.worker.model import ModelError, resolve_model
+
+    try:
+        path = resolve_model(args.model)
+        sizes = model_sizes(path)
+        result = {"layer_ms": round(layer_decode_ms(path, sizes["layers"], args.context), 4),
+                  "memory_bytes": usable_memory_bytes(), **sizes}
+    except (ModelError, CheckpointError, ValueError) as e:
+        print(f"measure: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

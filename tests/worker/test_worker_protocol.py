@@ -1,0 +1,104 @@
+"""The worker's stdin commands and limits (protocol.py, serve.read_line), sampling
+(sampling.py), the pipeline header codec, and make_tiny_model's determinism."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from p2pmesh.worker import protocol
+from p2pmesh.worker.pipeline import OP_SAMPLE, Header, PipelineError
+from p2pmesh.worker.sampling import SamplingParams, sample, step_key_seed
+from p2pmesh.worker.serve import LineTooLong, read_line
+from scripts.make_tiny_model import make_tiny_model
+
+
+def test_a_generate_command_is_parsed_with_defaults() -> None:
+    cmd = protocol.parse_command(b'{"op": "generate", "id": "r1", "prompt": "hi"}')
+    assert cmd == protocol.Generate("r1", "hi", None, protocol.DEFAULT_MAX_TOKENS, 0.0, 1.0, 0)
+    cmd = protocol.parse_command('{"op": "generate", "id": "r2", "prompt": "ignored", "prompt_tokens": [1, 2], '
+                                 '"max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 18446744073709551615}')
+    assert cmd == protocol.Generate("r2", None, (1, 2), 3, 0.5, 0.9, 2**64 - 1)
+    assert protocol.parse_command('{"op": "shutdown"}') == protocol.Shutdown()
+
+
+@pytest.mark.parametrize(
+    ("line", "rid", "message"),
+    [
+        ('{"op": "generate", "prompt": "x"}', None, "needs an \"id\""),
+        ('{"op": "generate", "id": "a"}', "a", "needs \"prompt\""),
+        ('{"op": "generate", "id": "a", "prompt_tokens": [1, -2]}', "a", "non-negative"),
+        ('{"op": "generate", "id": "a", "prompt_tokens": [1, true]}', "a", "non-negative"),
+        ('{"op": "generate", "id": "a", "prompt": "x", "max_tokens": 100000}', "a", "max_tokens"),
+        ('{"op": "generate", "id": "a", "prompt": "x", "temperature": -1}', "a", "temperature"),
+        ('{"op": "generate", "id": "a", "prompt": "x", "seed": -1}', "a", "seed"),
+        ('{"op": "generate", "id": "a", "prompt": "x", "seed": 1.5}', "a", "seed"),
+        ('{"op": "launch", "id": "a"}', "a", "unknown op"),
+        ("[]", None, "not a JSON object"),
+    ],
+)
+def test_bad_commands_say_what_is_wrong(line: str, rid: str | None, message: str) -> None:
+    with pytest.raises(protocol.CommandError, match=message) as e:
+        protocol.parse_command(line)
+    assert e.value.request_id == rid
+
+
+def test_prompt_limits() -> None:
+    limits = protocol.Limits(max_prompt_tokens=3, max_tokens_cap=4)
+    with pytest.raises(protocol.CommandError, match="more than 3"):
+        protocol.parse_command('{"op": "generate", "id": "a", "prompt_tokens": [1, 2, 3, 4]}', limits)
+    with pytest.raises(protocol.CommandError, match="1..4"):
+        protocol.parse_command('{"op": "generate", "id": "a", "prompt": "x", "max_tokens": 5}', limits)
+
+
+def test_an_overlong_line_is_skipped_whole() -> None:
+    stream = io.BytesIO(b'{"op": "shutdown"}\n' + b"x" * 100 + b"\n" + b"short\n")
+    assert read_line(stream, 50) == b'{"op": "shutdown"}'
+    with pytest.raises(LineTooLong):
+        read_line(stream, 50)
+    assert read_line(stream, 50) == b"short"
+    assert read_line(stream, 50) is None
+
+
+def test_the_pipeline_header_round_trips() -> None:
+    h = Header(OP_SAMPLE, 17, 1, 1234, 3, 0.7, 0.95, 2**64 - 5)
+    back = Header.decode(h.encode())
+    assert back == Header(OP_SAMPLE, 17, 1, 1234, 3, pytest.approx(0.7), pytest.approx(0.95), 2**64 - 5)
+    with pytest.raises(PipelineError, match="out of sync"):
+        Header.decode(mx.zeros((10,), dtype=mx.int32))
+
+
+def test_sampling() -> None:
+    logits = mx.array([0.0, 1.0, 3.0, 2.9, -1.0])
+    assert int(sample(logits, 0.0, 1.0, 0).item()) == 2  # greedy
+    draws = [int(sample(logits, 1.0, 1.0, step_key_seed(3, p)).item()) for p in range(200)]
+    assert draws == [int(sample(logits, 1.0, 1.0, step_key_seed(3, p)).item()) for p in range(200)]  # reproducible
+    assert set(draws) == {0, 1, 2, 3, 4} or len(set(draws)) >= 4  # temperature 1 visits the tail
+    # top_p 0.5: only the two most likely tokens (0.47 and 0.43 of the mass) can come out.
+    assert {int(sample(logits, 1.0, 0.5, step_key_seed(3, p)).item()) for p in range(200)} == {2, 3}
+    assert step_key_seed(1, 2) != step_key_seed(2, 1) and 0 <= step_key_seed(2**64 - 1, 10**9) < 2**64
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-0.1)
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0.0)
+
+
+def test_make_tiny_model_is_deterministic_and_loads_in_mlx_lm(tmp_path: Path) -> None:
+    a = make_tiny_model(tmp_path / "a", "qwen3", 3, 32, seed=5, shards=2)
+    b = make_tiny_model(tmp_path / "b", "qwen3", 3, 32, seed=5, shards=2)
+    c = make_tiny_model(tmp_path / "c", "qwen3", 3, 32, seed=6, shards=2)
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir())
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json",
+            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"} <= set(files)
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+    assert (a / "model-00001-of-00002.safetensors").read_bytes() != (c / "model-00001-of-00002.safetensors").read_bytes()
+    model, tokenizer = mlx_lm.load(str(a))
+    assert len(model.layers) == 3
+    assert model.args.vocab_size == len(tokenizer.vocab) > 256
+    ids = tokenizer.encode("Once upon a time")
+    assert ids[0] == tokenizer.bos_token_id and tokenizer.decode(ids[1:]) == "Once upon a time"
+    assert model(mx.array([ids])).shape == (1, len(ids), model.args.vocab_size)
