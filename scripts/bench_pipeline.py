@@ -76,12 +76,14 @@ def hop_worker(hidden: int, hops: int) -> None:
     rank 1 echoes."""
     import mlx.core as mx
 
-    from p2pmesh.worker.pipeline import Link
+    from p2pmesh.worker.pipeline import DTYPE_CODES, OP_SAMPLE, Header, Link
 
     link = Link(mx.distributed.init(backend="ring", strict=True))
     x = mx.random.normal((1, 1, hidden))
-    mx.eval(x)
-    times = []
+    token = mx.array([7], dtype=mx.int32)
+    header = Header(OP_SAMPLE, 1, 0, 0, DTYPE_CODES[mx.float32])
+    mx.eval(x, token)
+    times, step_times = [], []
     for _ in range(hops + 20):
         if link.rank == 0:
             t0 = time.perf_counter()
@@ -90,13 +92,25 @@ def hop_worker(hidden: int, hops: int) -> None:
             times.append(time.perf_counter() - t0)
         else:
             link.send(link.recv((1, 1, hidden), mx.float32))
+    for _ in range(hops + 20):  # what one decode step moves: header + activation, token back
+        if link.rank == 0:
+            t0 = time.perf_counter()
+            link.send_header(header)
+            link.send(x)
+            link.recv((1,), mx.int32)
+            step_times.append(time.perf_counter() - t0)
+        else:
+            link.recv_header()
+            link.recv((1, 1, hidden), mx.float32)
+            link.send(token)
     link.drain()
     if link.rank == 0:
-        print(json.dumps({"rtt_us": statistics.median(times[20:]) * 1e6}))
+        print(json.dumps({"rtt_us": statistics.median(times[20:]) * 1e6, "step_us": statistics.median(step_times[20:]) * 1e6}))
 
 
-def bench_hop(hidden: int, hops: int, work: Path) -> float:
-    """Median MLX round trip rank 0 -> 1 -> 0 of a [1, 1, hidden] float32 activation, in µs."""
+def bench_hop(hidden: int, hops: int, work: Path) -> dict[str, float]:
+    """Median MLX round trips in µs: rtt_us, a [1, 1, hidden] float32 activation rank 0 -> 1
+    -> 0; step_us, one decode step's messages (header + activation 0 -> 1, token 1 -> 0)."""
     from p2pmesh.core.mlx_hostfile import loopback_hostfile
     from tests.worker.test_mlx_ring import free_port_run
 
@@ -110,7 +124,7 @@ def bench_hop(hidden: int, hops: int, work: Path) -> float:
                                           env=env, cwd=ROOT, stdout=subprocess.PIPE))
         out, _ = procs[0].communicate(timeout=DEADLINE_S)
         procs[1].wait(timeout=60)
-        return float(json.loads(out.decode().strip().splitlines()[-1])["rtt_us"])
+        return {k: float(v) for k, v in json.loads(out.decode().strip().splitlines()[-1]).items()}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -200,7 +214,8 @@ def main() -> int:
         print(f"model: llama float32, hidden {a.hidden}, {a.layers} layers, {params / 1e6:.1f} M parameters "
               f"(written in {time.monotonic() - t0:.1f} s); {os.cpu_count()} CPUs", file=sys.stderr)
         single, pipe = bench_decode(model, a.layers, a.tokens, a.runs, work)
-        hop_rtt = bench_hop(a.hidden, a.hops, work)
+        hop = bench_hop(a.hidden, a.hops, work)
+        hop_rtt = hop["rtt_us"]
         tcp_rtt = bench_tcp(a.hidden * 4, a.hops)
     ratio = pipe / single
     per_hop = hop_rtt / 2
@@ -214,6 +229,7 @@ def main() -> int:
     print(f"| MLX round trip 0->1->0 of [1,1,{a.hidden}] f32 ({a.hidden * 4} B), median of {a.hops} | {hop_rtt:.0f} µs | | |")
     print(f"| per-hop activation latency (round trip / 2) | {per_hop:.0f} µs | | |")
     print(f"| raw TCP round trip, same bytes, same run | {tcp_rtt:.0f} µs | | |")
+    print(f"| one decode step's messages: header + activation 0->1, token 1->0 | {hop['step_us']:.0f} µs | | |")
     print(f"| per hop / TCP round trip | {per_hop / tcp_rtt:.2f}x | <= 2x | {'yes' if per_hop <= 2 * tcp_rtt else 'no'} |")
     return 0
 

@@ -92,6 +92,11 @@ class World:
         self.observers: list[Callable[[SimNode, Ready], None]] = []
         self.lose_unsynced_on_crash = False
         self.cabling = Cabling()
+        self.fifo_types: tuple[type, ...] = ()
+        """Message types delivered in order per link (a stream, as over the agent's TLS
+        connections); others may reorder. Empty by default: only the serving scenario
+        orders its inference messages (sim/serving_scenario.py)."""
+        self.fifo_at: dict[tuple[NodeId, NodeId], int] = {}
         for _ in range(nodes):
             self.add_node(boot=False)
 
@@ -262,7 +267,9 @@ class World:
         if self.trace is not None or ready.events:
             for ev in ready.events:
                 self._log(node, ev.kind, ev.detail)
-        if durable or ready.messages or ready.applied or ready.reads or ready.left:
+        # submits and client events (the data plane) also reach the observers, after the fsync
+        # like every effect: a Ready carrying only those has no durable part, so no delay.
+        if durable or ready.messages or ready.applied or ready.reads or ready.left or ready.submits or ready.client:
             node.disk.write(ready)
             sync_at = max(self.now_us, node.disk_free_at) + (FSYNC_US if durable else 0)
             node.disk_free_at = sync_at
@@ -293,7 +300,11 @@ class World:
             if target is None:
                 continue
             for delay in self.net.deliveries(src, dst):
-                self._push(self.now_us + delay, DELIVER, target.index, (src, data))
+                at = self.now_us + delay
+                if self.fifo_types and isinstance(message, self.fifo_types):
+                    at = max(at, self.fifo_at.get((src, dst), 0))
+                    self.fifo_at[(src, dst)] = at
+                self._push(at, DELIVER, target.index, (src, data))
         self.checker.after_sync(node, ready)
         for obs in self.observers:
             obs(node, ready)

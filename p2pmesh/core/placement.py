@@ -26,8 +26,9 @@ full of concurrent streams; ties go to the lower tpot.
 Exactness and determinism: every cost is converted to integer picoseconds before the
 search, so sums are exact, ties are real ties and every Mac computes the bit-identical plan.
 The search is an exact dynamic program over contiguous splits for each rotation and
-direction (a sliding-window minimum makes each order O(N^2 L) in C-level list operations),
-with orders skipped only when a sound lower bound shows they cannot win. Ties on the
+direction (a sliding-window minimum over list operations; successors folded through one
+running minimum, so a ring cabling costs O(N L) per order), with orders skipped only when a
+sound lower bound shows they cannot win. Ties on the
 objective go to fewer moved layers (relative to the current plan), then to the order that
 comes first (rotation starting at ring position 0, forward before backward, ...), then,
 stage by stage, to ending the pipeline, then to more layers on the earlier stage, then to
@@ -38,16 +39,21 @@ Pure: no clock, no I/O, no randomness; only p2pmesh.core imports.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat
-from typing import Sequence
 
-from p2pmesh.core.ring import DEFAULT_RTT_MS, KINDS, Link, parse_graph
+from p2pmesh.core.ring import DEFAULT_RTT_MS, Link, parse_graph
 
 STAGE_OVERHEAD_MS = 0.1
 """Fixed cost of one stage per token (MLX eval/sync, the runtime's send and receive), on top
 of the wire. Not yet measured on our runtime (partitioning.md 11); 0.1 ms is the order of an
 MLX graph evaluation round trip. It makes an extra stage cost something even on RDMA."""
+SINGLE_NODE_SLACK = 0.05
+"""A kept (hysteresis) plan may be at most this much slower than the best single Mac that
+holds the model (partitioning.md T2); more than that, the guarantee wins over stability.
+A fresh plan is never slower at all. The slack keeps per-layer timing noise alone from moving
+a model between two nearly equal Macs."""
 NETWORK_GBPS = 0.1
 """Two Macs with no link at all still reach each other through the control plane's IP path."""
 NODES_MAX = 64
@@ -56,6 +62,7 @@ LINKS_MAX = 4096
 BYTES_MAX = 1 << 50  # 1 PiB: any larger figure is a typo, and it keeps arithmetic small
 MS_MAX = 1e6
 GBPS_MAX = 1e6
+HOP_MS_MAX = 1e9  # a hop is never costed above ~11 days: keeps a 1e-300 Gb/s link finite
 OBJECTIVES = ("latency", "throughput")
 
 _TICKS_PER_MS = 10**9  # picoseconds: fine enough that rounding never matters, exact in ints
@@ -190,14 +197,14 @@ def _hops(ids: Sequence[str], links: Sequence[Link], activation_bytes: int) -> t
         g[1] = min(g[1], rtt)
     size = len(ids)
     net_rtt = DEFAULT_RTT_MS["network"]
-    no_link_fwd = _ticks(net_rtt / 2 + activation_bytes * 8 / (NETWORK_GBPS * 1e6))
+    no_link_fwd = _ticks(min(HOP_MS_MAX, net_rtt / 2 + activation_bytes * 8 / (NETWORK_GBPS * 1e6)))
     no_link_ret = _ticks(net_rtt / 2)
     fwd: list[list[int | None]] = [[None] * size for _ in range(size)]
     ret: list[list[int | None]] = [[None] * size for _ in range(size)]
     for (i, j, _kind), (gbps, rtt) in groups.items():
         # bytes * 8 / (Gb/s * 1e9) seconds, in ms; min() makes the dict's order irrelevant
-        f = _ticks(rtt / 2 + activation_bytes * 8 / (gbps * 1e6))
-        r = _ticks(rtt / 2)
+        f = _ticks(min(HOP_MS_MAX, rtt / 2 + activation_bytes * 8 / (gbps * 1e6)))
+        r = _ticks(min(HOP_MS_MAX, rtt / 2))
         old_f, old_r = fwd[i][j], ret[i][j]
         fwd[i][j] = fwd[j][i] = f if old_f is None else min(old_f, f)
         ret[i][j] = ret[j][i] = r if old_r is None else min(old_r, r)
@@ -374,7 +381,7 @@ def _orders(n: int) -> list[tuple[int, ...]]:
 
 def _emin(X: list[int], Y: list[int]) -> list[int]:
     """Elementwise minimum (a comprehension: about 3x faster than map(min, ...))."""
-    return [x if x < y else y for x, y in zip(X, Y)]
+    return [x if x < y else y for x, y in zip(X, Y)]  # noqa: FURB136 (min() is the slow path)
 
 
 def _window_min(A: list[int], c: int, L: int) -> list[int]:
@@ -386,7 +393,7 @@ def _window_min(A: list[int], c: int, L: int) -> list[int]:
         W = []
         cur = _INF
         for x in reversed(B):
-            if x < cur:
+            if x < cur:  # noqa: PLR1730 (a comparison, not a call: this is the hot loop)
                 cur = x
             W.append(cur)
         W.reverse()
@@ -407,13 +414,13 @@ def _window_min(A: list[int], c: int, L: int) -> list[int]:
         for b in range(0, size, c):  # bounded: size / c blocks of c
             cur = _INF
             for x in B[b : b + c]:
-                if x < cur:
+                if x < cur:  # noqa: PLR1730 (as above)
                     cur = x
                 pre.append(cur)
             cur = _INF
             back = []
             for x in reversed(B[b : b + c]):
-                if x < cur:
+                if x < cur:  # noqa: PLR1730 (as above)
                     cur = x
                 back.append(cur)
             back.reverse()
@@ -751,8 +758,8 @@ def _keep(ctx: _Ctx, model: ModelSpec, nodes: Sequence[NodeSpec], current: Plan,
     cur_obj, new_obj = _evaluate(ctx, st)[which], new[which]
     L = ctx.layers
     singles = [L * ctx.ms[j] + ctx.overhead for j in range(len(ctx.ids)) if ctx.cap_both[j] >= L]
-    if singles and cur_obj > min(singles):
-        return None  # the guarantee (never slower than the best single Mac) outranks stability
+    if singles and cur_obj > (1 + min(margin, SINGLE_NODE_SLACK)) * min(singles):
+        return None  # the single-Mac guarantee outranks stability beyond measurement noise
     return None if new_obj < (1 - margin) * cur_obj else st
 
 
@@ -858,6 +865,9 @@ def parse_scenario(data: object) -> tuple[ModelSpec, list[NodeSpec], list[Link]]
         raise ScenarioError(f'"links" must be a list of at most {LINKS_MAX} link objects')
     for i, raw in enumerate(raw_links):
         if isinstance(raw, dict):
+            for end in ("a", "b", "kind"):
+                if not isinstance(raw.get(end), str):
+                    raise ScenarioError(f"links[{i}].{end} must be a string")
             gbps, rtt = raw.get("gbps"), raw.get("rtt_ms")
             if isinstance(gbps, float) and not (math.isfinite(gbps) and gbps <= GBPS_MAX):
                 raise ScenarioError(f"links[{i}].gbps must be a finite number up to {GBPS_MAX:g}")
@@ -895,5 +905,10 @@ def parse_current(data: object, *, default_margin: float = 0.15) -> tuple[Plan |
                 or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= LAYERS_MAX for v in span)
                 or span[0] >= span[1]):
             raise ScenarioError(f'{where}.layers must be [start, end) with 0 <= start < end <= {LAYERS_MAX}')
+        if span[0] != (stages[-1].end if stages else 0):
+            raise ScenarioError(f"{where}.layers must start where the previous stage ends (the first at 0)")
+        if any(p.node_id == s["node_id"] for p in stages):
+            raise ScenarioError(f"{where}: {s['node_id']!r} has two stages")
         stages.append(Stage(s["node_id"], span[0], span[1]))
+    # A Mac of the current plan missing from "nodes" is fine: it is gone, and the plan is replaced.
     return Plan(tuple(stages), 0.0), float(margin)

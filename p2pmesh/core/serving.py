@@ -12,8 +12,7 @@ Two roles, often on the same node:
 - the *head* runs requests on its local worker and streams tokens back to their origin.
 
 Bounded: at most ``REQUESTS_MAX`` requests per origin and per head; a request that makes no
-progress for ``STALL_MS`` while the cluster has no serving epoch fails with an error, so a
-client never waits forever.
+progress for ``STALL_MS`` fails with an error, so a client never waits forever.
 """
 from __future__ import annotations
 
@@ -161,10 +160,12 @@ class Router:
     def tick(self, state: ClusterState | None, head: NodeId | None, epoch: int, now_ms: int) -> None:
         self._serve(head, epoch)
         for req, o in list(self.origins.items()):
+            if now_ms - o.progress_ms >= STALL_MS:
+                del self.origins[req]
+                why = "no serving epoch: the model is not placed" if head is None else "no progress: the serving epoch is stuck"
+                self.client.append(ClientEvent(req, (), why, True, "error"))
+                continue
             if head is None:
-                if now_ms - o.progress_ms >= STALL_MS:
-                    del self.origins[req]
-                    self.client.append(ClientEvent(req, (), "no serving epoch: the model is not placed", True, "error"))
                 continue
             if o.sent_to == (head, epoch) or epoch == o.stale_epoch:
                 continue

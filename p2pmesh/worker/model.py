@@ -15,7 +15,6 @@ is embed_tokens / layers / norm (llama and its remaps, qwen2, qwen3).
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any

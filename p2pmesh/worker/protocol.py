@@ -9,7 +9,8 @@ stdout (one JSON object per line, every rank):
   {"event": "heartbeat", "rank": r, "t": unix_seconds}            every 0.5 s, from a thread
   {"event": "error", "id": id?, "message": m}                      "id" only for a request's error
 rank 0 only:
-  {"event": "token", "id": id, "token": int, "text": "incremental text"}
+  {"event": "token", "id": id, "token": int, "text": "incremental text"}   the first also has
+                                                               "prompt_tokens": [int]
   {"event": "done", "id": id, "tokens": n, "finish": "stop"|"length", "text": "held-back text"}
 stdin (rank 0 only):
   {"op": "generate", "id": str, "prompt": str|null, "prompt_tokens": [int]|null,
@@ -130,8 +131,13 @@ def heartbeat(rank: int, t: float) -> dict[str, Any]:
     return {"event": "heartbeat", "rank": rank, "t": round(t, 3)}
 
 
-def token(request_id: str, token_id: int, text: str) -> dict[str, Any]:
-    return {"event": "token", "id": request_id, "token": token_id, "text": text}
+def token(request_id: str, token_id: int, text: str, prompt_tokens: list[int] | None = None) -> dict[str, Any]:
+    """A generated token. The first one of a request also carries the prompt as tokens, so
+    the agent can resume the request elsewhere without a tokenizer of its own."""
+    event: dict[str, Any] = {"event": "token", "id": request_id, "token": token_id, "text": text}
+    if prompt_tokens is not None:
+        event["prompt_tokens"] = prompt_tokens
+    return event
 
 
 def done(request_id: str, tokens: int, finish: str, text: str) -> dict[str, Any]:

@@ -274,7 +274,7 @@ class Server:
                     break
                 detok.add_token(tok)
                 count += 1
-                self.emitter.emit(protocol.token(cmd.id, tok, detok.last_segment))
+                self.emitter.emit(protocol.token(cmd.id, tok, detok.last_segment, tokens if count == 1 else None))
         except Exception as e:  # noqa: BLE001 - report it against the request, then end the worker
             raise RequestFailed(f"generation failed: {type(e).__name__}: {e}", cmd.id) from e
         detok.finalize()

@@ -141,3 +141,18 @@ def test_resolve_model(models: dict[str, Path], tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(ModelUnavailable, match="cannot fetch 'mlx-community/Llama-3.2-1B-Instruct-4bit'"):
         resolve_model("mlx-community/Llama-3.2-1B-Instruct-4bit", layers=(0, 4))
+
+
+def test_an_mlx_quantized_checkpoint_shards_too(models: dict[str, Path], tmp_path: Path) -> None:
+    from mlx_lm.convert import convert
+
+    quantized = tmp_path / "q4"
+    convert(str(models["qwen3"]), str(quantized), quantize=True, q_group_size=32, q_bits=4)
+    full, tokenizer = mlx_lm.load(str(quantized))
+    ids = mx.array([tokenizer.encode(PROMPT)])
+    x = ids
+    for start, end in [(0, 3), (3, 8)]:
+        shard = load_shard(quantized, start, end)
+        assert any(n.endswith(".scales") for n in shard.loaded)
+        x = shard.forward(x, shard.make_cache())
+    np.testing.assert_allclose(np.array(x), np.array(full(ids)), atol=ATOL, rtol=RTOL)

@@ -102,3 +102,19 @@ def test_make_tiny_model_is_deterministic_and_loads_in_mlx_lm(tmp_path: Path) ->
     ids = tokenizer.encode("Once upon a time")
     assert ids[0] == tokenizer.bos_token_id and tokenizer.decode(ids[1:]) == "Once upon a time"
     assert model(mx.array([ids])).shape == (1, len(ids), model.args.vocab_size)
+
+
+def test_measure_reports_sizes_from_the_headers_and_a_layer_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from p2pmesh.worker.measure import main
+
+    path = make_tiny_model(tmp_path / "m", "llama", 4, 64, heads=4, kv_heads=2, intermediate=128)
+    assert main(["--model", str(path), "--context", "32"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    # q, o: 64x64; k, v: 32x64; gate, up, down: 128x64; two norms of 64; float32.
+    assert out["layer_bytes"] == 4 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64 + 2 * 64)
+    assert out["embed_bytes"] == 4 * vocab * 64 and out["head_bytes"] == 0  # tied
+    assert out["kv_bytes_per_token_per_layer"] == 2 * 2 * 16 * 4 and out["activation_bytes"] == 64 * 4
+    assert out["layers"] == 4 and out["layer_ms"] > 0 and out["memory_bytes"] > 0
