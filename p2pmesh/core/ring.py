@@ -115,15 +115,15 @@ def parse_graph(data: object) -> tuple[list[str], list[Link]]:
         if not isinstance(raw, dict):
             raise RingError(f"link {i} must be an object")
         a, b, kind, gbps, rtt = raw.get("a"), raw.get("b"), raw.get("kind"), raw.get("gbps"), raw.get("rtt_ms")
-        if a not in known or b not in known:
+        if not isinstance(a, str) or not isinstance(b, str) or a not in known or b not in known:
             raise RingError(f"link {i} joins {a!r} and {b!r}, which are not both in \"nodes\"")
         if a == b:
             raise RingError(f"link {i} joins {a!r} to itself")
         if kind not in KINDS:
             raise RingError(f"link {i} has kind {kind!r}; use one of {', '.join(KINDS)}")
-        if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not gbps > 0:
-            raise RingError(f"link {i} needs a positive \"gbps\"")
-        if rtt is not None and (isinstance(rtt, bool) or not isinstance(rtt, (int, float)) or rtt < 0):
+        if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not 0 < gbps < float("inf"):
+            raise RingError(f"link {i} needs a positive, finite \"gbps\"")
+        if rtt is not None and (isinstance(rtt, bool) or not isinstance(rtt, (int, float)) or not 0 <= rtt < float("inf")):
             raise RingError(f"link {i} has a bad \"rtt_ms\"")
         out.append(Link(a, b, kind, float(gbps), None if rtt is None else float(rtt)))
     return list(nodes), out

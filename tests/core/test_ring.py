@@ -210,3 +210,13 @@ def test_sixteen_node_cluster_graphs_with_network_paths_solve_exactly(layout: st
     assert ring.exact
     groups = n - len([l for l in links if l.kind == "thunderbolt"])  # the cables form a forest
     assert len(ring.slow_hops) == max(1, groups)  # one slow hop between consecutive groups
+
+
+@pytest.mark.parametrize("link", [
+    {"a": ["x"], "b": "n1", "kind": "thunderbolt", "gbps": 40},
+    {"a": "n0", "b": "n1", "kind": "thunderbolt", "gbps": float("inf")},
+    {"a": "n0", "b": "n1", "kind": "thunderbolt", "gbps": 40, "rtt_ms": float("nan")},
+])
+def test_non_string_ends_and_non_finite_numbers_are_refused(link: dict) -> None:  # type: ignore[type-arg]
+    with pytest.raises(RingError):
+        parse_graph({"nodes": ["n0", "n1"], "links": [link]})
