@@ -179,7 +179,7 @@ class Supervisor:
             w.ready = True
             log.info("worker of epoch %d ready (rank %d, loaded in %.2f s)", w.epoch, w.rank, float(event.get("load_s") or 0))
             await inbox.send(WorkerLoaded(w.epoch))
-        elif kind == "error" and str(event.get("message", "")).startswith("generation failed"):
+        elif kind == "error" and "generation failed" in str(event.get("message", "")):
             # The epoch broke under the request (a peer is gone): not the client's fault. The
             # request stays with its origin, which sends it again to the next epoch.
             log.warning("worker of epoch %d: %s", w.epoch, event.get("message"))

@@ -3,6 +3,7 @@
   python -m sim run --seed S --nodes N --duration-s T [--faults F,...] [--trace FILE] [--plant NAME]
   python -m sim sweep --seeds A-B --nodes N --duration-s T [--faults all] [--plant NAME] [--workers K]
   python -m sim rings --seeds A-B [--nodes N]
+  python -m sim serving --seeds A-B [--nodes N] [--faults F,...] [--workers K] [--trace FILE]
   python -m sim plants
   python -m sim demo
 
@@ -71,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     rings = sub.add_parser("rings", help="ring scenarios on virtual cabling (does the ring follow the cables?)")
     rings.add_argument("--seeds", type=_seed_range, required=True, help="A-B (inclusive)")
     rings.add_argument("--nodes", type=_nodes, default=4)
+    _add_serving_parser(sub)
     sub.add_parser("plants", help="list the planted bugs")
     demo = sub.add_parser("demo", help="a narrated 5-node cluster")
     demo.add_argument("--seed", type=int, default=7)
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     if args.command == "rings":
         return _rings(args)
+    if args.command == "serving":
+        return _serving(args)
     return _sweep(args)
 
 
@@ -117,6 +121,109 @@ def _rings(args: argparse.Namespace) -> int:
         "cable_to_ring_ms": {"p50": _pct(cable, 0.5), "p99": _pct(cable, 0.99), "max": _pct(cable, 1.0), "count": len(cable)},
         "member_to_ring_ms": {"p50": _pct(member, 0.5), "p99": _pct(member, 0.99), "max": _pct(member, 1.0), "count": len(member)},
     }
+    print(json.dumps(summary), flush=True)
+    return 1 if failures else 0
+
+
+# ----------------------------------------------------------------------------------------
+# python -m sim serving: the data plane (sim/serving_scenario.py, docs/simulator.md)
+
+
+def _serving_faults(text: str) -> tuple[str, ...]:
+    from sim.serving_scenario import FAULT_KINDS, GAP_KINDS
+
+    kinds = FAULT_KINDS if text == "default" else tuple(k.strip() for k in text.split(",") if k.strip())
+    for k in kinds:
+        if k not in FAULT_KINDS + GAP_KINDS:
+            raise argparse.ArgumentTypeError(f"unknown fault {k!r}; choose from: default, {', '.join(FAULT_KINDS + GAP_KINDS)}")
+    if not kinds:
+        raise argparse.ArgumentTypeError("--faults needs at least one kind")
+    return kinds
+
+
+def _add_serving_parser(sub: Any) -> None:
+    sp = sub.add_parser("serving", help="data-plane scenarios: placements, activation, requests across epochs")
+    sp.add_argument("--seeds", type=_seed_range, required=True, help="A-B (inclusive)")
+    sp.add_argument("--nodes", type=_nodes, default=None, help="Macs at the start (default: 3-6, drawn from the seed)")
+    sp.add_argument("--faults", type=_serving_faults, default="default",
+                    help="comma list of crash, pause, join, leave (the default) and the gap kinds "
+                    "worker-death, short-crash, short-pause")
+    sp.add_argument("--report-prompt", choices=("text", "all", "none"), default=None,
+                    help="which prompts the fake head reports back as tokens (default: drawn per seed)")
+    sp.add_argument("--unordered", action="store_true", help="let inference frames reorder on a link (a gap)")
+    sp.add_argument("--fresh-origins", action="store_true", help="let clients ask Macs that just joined (a gap)")
+    sp.add_argument("--workers", type=int, default=1)
+    sp.add_argument("--trace", default=None, help="write the event trace of the (single) seed to FILE")
+
+
+def _serving_job(job: tuple[int, int | None, tuple[str, ...], str | None, bool, bool]) -> Any:
+    from sim.serving_scenario import run_serving_seed
+
+    seed, nodes, faults, report_prompt, unordered, fresh = job
+    return run_serving_seed(seed, nodes=nodes, faults=faults, report_prompt=report_prompt, ordered=not unordered,
+                            fresh_origins=fresh)
+
+
+def _serving(args: argparse.Namespace) -> int:
+    from sim.serving_scenario import FAULT_KINDS, run_serving_seed
+
+    if args.trace and len(args.seeds) != 1:
+        print("--trace needs a single seed", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    jobs = [(s, args.nodes, args.faults, args.report_prompt, args.unordered, args.fresh_origins) for s in args.seeds]
+    if args.trace:
+        with open(args.trace, "w", encoding="utf-8") as trace:
+            s, nodes, faults, report, unordered, fresh = jobs[0]
+            results: Any = [run_serving_seed(s, nodes=nodes, faults=faults, report_prompt=report, ordered=not unordered,
+                                             fresh_origins=fresh, trace=trace)]
+    elif args.workers > 1:
+        pool = multiprocessing.get_context("fork").Pool(args.workers)
+        results = pool.imap(_serving_job, jobs)
+    else:
+        results = map(_serving_job, jobs)
+    failures = requests = completed = resumed = errors = orphaned = 0
+    first_failure: dict[str, Any] | None = None
+    first: list[float] = []
+    back: list[float] = []
+    digests: list[str] = []
+    for r in results:
+        requests += r.requests
+        completed += r.completed
+        resumed += r.resumed
+        errors += r.errors
+        orphaned += r.orphaned
+        back += r.back_to_serving_ms
+        digests.append(r.trace_digest)
+        if r.first_serving_ms is not None:
+            first.append(r.first_serving_ms)
+        if r.violation:
+            failures += 1
+            first_failure = first_failure or {"seed": r.seed, "invariant": r.violation}
+            extra = "" if args.faults == FAULT_KINDS else " --faults " + ",".join(args.faults)
+            extra += f" --report-prompt {args.report_prompt}" if args.report_prompt else ""
+            extra += " --unordered" if args.unordered else ""
+            extra += " --fresh-origins" if args.fresh_origins else ""
+            print(f"seed {r.seed}: violated {r.violation}: {r.detail} "
+                  f"(replay: python -m sim serving --seeds {r.seed} --nodes {r.nodes}{extra})", flush=True)
+    if args.workers > 1 and not args.trace:
+        pool.close()
+        pool.join()
+    summary = {
+        "seeds": len(args.seeds),
+        "failures": failures,
+        "first_failure": first_failure,
+        "requests": requests,
+        "completed": completed,
+        "resumed_requests": resumed,
+        "error_requests": errors,
+        "orphaned_requests": orphaned,
+        "first_serving_ms": {"p50": _pct(first, 0.5), "p99": _pct(first, 0.99), "max": _pct(first, 1.0)},
+        "back_to_serving_ms": {"p50": _pct(back, 0.5), "p99": _pct(back, 0.99), "max": _pct(back, 1.0), "count": len(back)},
+        "wall_s": round(time.perf_counter() - started, 3),
+    }
+    if len(digests) == 1:
+        summary["trace_sha256"] = digests[0]
     print(json.dumps(summary), flush=True)
     return 1 if failures else 0
 

@@ -10,7 +10,10 @@ as ``WorkerOutput`` inputs.
 The fake model is a pure function of the context: the next token is a hash of every token
 before it (prompt plus generated), so a request resumed elsewhere with the tokens generated
 so far continues exactly as an uninterrupted run would (greedy decoding). Text prompts are
-tokenized by a hash per word, reported once in ``prompt_tokens`` of the first output.
+tokenized by a hash per word, reported once in ``prompt_tokens`` of the first output
+(``report_prompt="text"``; "none" is what p2pmesh/worker/serve.py does today, so the origin
+must replay the request from its prompt and skip what its client already has; "all" also
+echoes prompts that arrived as tokens).
 
 An epoch's worker *group* is modelled like an MLX pipeline over TCP:
 - **broken for good** when any of its ranks' processes is gone: its Mac crashed, left, or
@@ -50,6 +53,7 @@ STALL_POLLS_MAX = 20_000
 _MASK = (1 << 64) - 1
 
 OK, FORMING, STALLED, BROKEN = "ok", "forming", "stalled", "broken"
+REPORT_PROMPT = ("text", "all", "none")
 
 
 # --------------------------------------------------------------------------------------
@@ -136,12 +140,14 @@ class DataPlaneStats:
 
 
 class DataPlane:
-    def __init__(self, world: World, rng: random.Random, *, echo_prompt_tokens: bool = True) -> None:
+    def __init__(self, world: World, rng: random.Random, *, report_prompt: str = "text") -> None:
+        if report_prompt not in REPORT_PROMPT:
+            raise ValueError(f"report_prompt must be one of {REPORT_PROMPT}")
         self.world = world
         self.rng = rng
-        self.echo_prompt_tokens = echo_prompt_tokens
-        """Report given prompt tokens back too (not only tokenized text): the contract the
-        core's Router relies on to resume a request that arrived as tokens."""
+        self.report_prompt = report_prompt
+        """Which prompts the head reports back as tokens in its first output: "text" (the
+        ones it tokenized), "all" (also those given as tokens) or "none"."""
         self.workers: dict[int, dict[int, FakeWorker]] = {}
         """node index -> epoch -> its worker (dead ones stay until unwanted, as the agent's
         Supervisor keeps failed epochs: it never restarts a rank of a formed group)."""
@@ -264,6 +270,9 @@ class DataPlane:
     def _submit(self, node: SimNode, s: WorkerSubmit) -> None:
         self.submits += 1
         self.submitted.setdefault(s.req, set()).add(s.epoch)
+        p = s.params
+        what = f"{len(p.prompt_tokens)} prompt tokens" if p.prompt_tokens else "a text prompt"
+        self.world.note(f"{node.name} head epoch={s.epoch} gets {s.req}: {what}, {p.max_tokens} to generate")
         w = self.workers.get(node.index, {}).get(s.epoch)
         if w is None or w.rank != 0 or w.dead is not None:
             # What the agent's Supervisor answers when it has no head worker for the epoch.
@@ -275,10 +284,10 @@ class DataPlane:
 
     def _job(self, req: str, p: GenerateParams) -> _Job:
         if p.prompt_tokens:
-            tokens, report = p.prompt_tokens, (p.prompt_tokens if self.echo_prompt_tokens else ())
+            tokens, report = p.prompt_tokens, (p.prompt_tokens if self.report_prompt == "all" else ())
         else:
             tokens = tokenize(p.prompt or "")
-            report = tokens
+            report = tokens if self.report_prompt != "none" else ()
         return _Job(req, context_hash(tokens), p.max_tokens, report)
 
     def _schedule(self, node: SimNode, w: FakeWorker, delay_us: int) -> None:

@@ -25,7 +25,8 @@ Checks (InvariantViolated):
 - ``client-after-done``, ``request-continuity``, ``request-error``, ``request-lost``: every
   request gets exactly one final client event, with exactly the tokens (and finish) of an
   uninterrupted greedy run, however many epochs it crossed; an error is allowed only after
-  no serving epoch existed for serving.STALL_MS; requests whose origin Mac crashed or left
+  the request made no progress for serving.STALL_MS (the Router's own bound, when no epoch
+  serves or the serving one is stuck); requests whose origin Mac crashed or left
   count as *orphaned* (the client's connection died with it) and are reported, not judged;
 - ``back-to-serving``: the bound above, after every change and after healing.
 
@@ -73,6 +74,8 @@ MAX_TOKENS = (1, 40)
 TOKEN_PROMPTS = 0.25
 """Share of requests that arrive as prompt tokens rather than text."""
 EXTRA_NODES_MAX = 2
+SMALL_MACS = 1 / 3
+"""Share of runs whose Macs are small enough that three may be needed (else two)."""
 FAULT_KINDS = ("crash", "pause", "join", "leave")
 GAP_KINDS = ("worker-death", "short-crash", "short-pause")
 LAYER_BYTES = 1_000_000
@@ -90,6 +93,8 @@ class _Request:
     prompt_tokens: tuple[int, ...]
     max_tokens: int
     issued_us: int
+    progress_us: int = 0
+    """When the client last saw progress (issue time, then each token)."""
     tokens: list[int] = field(default_factory=list)
     done: bool = False
     finish: str = ""
@@ -100,11 +105,13 @@ class _Request:
 class ServingRun:
     seed: int
     nodes: int
+    report_prompt: str = "text"
     violation: str | None = None
     detail: str = ""
     steps: list[str] = field(default_factory=list)
     layers: int = 0
     stages_first: int = 0
+    stages_max: int = 0
     requests: int = 0
     completed: int = 0
     resumed: int = 0
@@ -130,28 +137,36 @@ class ServingScenario:
         faults: tuple[str, ...] = FAULT_KINDS,
         machine_class: type[Machine] = Machine,
         trace: TextIO | None = None,
-        echo_prompt_tokens: bool = True,
+        report_prompt: str | None = None,
         ordered: bool = True,
+        fresh_origins: bool = False,
     ) -> None:
         self.seed = seed
+        self.fresh_origins = fresh_origins
         self.rng = random.Random(seed ^ 0x5E4F1)
         self.world = World(seed, nodes=nodes, settings=SIM_SETTINGS, machine_class=machine_class, trace=trace)
-        self.dp = DataPlane(self.world, random.Random(seed ^ 0xDA7A), echo_prompt_tokens=echo_prompt_tokens)
+        # Mostly the contract serving.py states (text prompts reported back as tokens), a
+        # third like the real worker today (never), which makes origins replay. Drawn even
+        # when given, so that a replay with the value given runs the same seed identically.
+        drawn = self.rng.choice(("text", "text", "none"))
+        report_prompt = report_prompt or drawn
+        self.dp = DataPlane(self.world, random.Random(seed ^ 0xDA7A), report_prompt=report_prompt)
         self.world.observers.append(self._observe)
         if ordered:
             # The agent's transport is one TLS stream per peer pair: inference frames arrive
             # in order. Raft messages keep the simulator's reordering.
             self.world.fifo_types = (InferRequest, InferTokens)
-        self.result = ServingRun(seed, nodes)
+        self.result = ServingRun(seed, nodes, report_prompt=report_prompt)
         self.nodes_at_start = nodes
         self.faults = faults
         self.model = self._draw_model()
+        self.need = 3 if self.rng.random() < SMALL_MACS else 2
+        """How many Macs any placement needs at most: every ``need`` of them hold the model."""
         self.measures: dict[int, Measure] = {}
         self.requests: dict[str, _Request] = {}
         self.clients_on = False
         self.placements: dict[int, tuple] = {}
         self.activations_checked: set[int] = set()
-        self.last_active_us = 0
 
     # ------------------------------------------------------------------------------
 
@@ -221,10 +236,11 @@ class ServingScenario:
         if m is None:
             per_layer = LAYER_BYTES + KV_BYTES * CONTEXT
             total = self.model.layers * per_layer + 2 * EMBED_BYTES
-            # Half to 1.05 times the whole model, plus two layers of slack: any two Macs
-            # hold it (each takes half the layers plus one embedding), one rarely does, so
-            # most placements have two or more stages.
-            memory = int(total * self.rng.uniform(0.5, 1.05)) + 2 * per_layer
+            # At least 1/need of the whole model plus two layers of slack, so any ``need``
+            # Macs hold it (each its share of the layers plus an embedding); one Mac rarely
+            # does, so most placements have two stages, and small Macs make three.
+            low, high = (0.5, 1.05) if self.need == 2 else (0.36, 0.5)
+            memory = int(total * self.rng.uniform(low, high)) + 2 * per_layer
             m = self.measures[node.index] = Measure(self.model.name, memory, round(self.rng.uniform(0.2, 1.0), 3))
         self.world.call(node, ModelMeasured(m))
 
@@ -261,6 +277,9 @@ class ServingScenario:
             w.note(f"step {i}: {what}")
             w.leave(victim)
             extra = lambda: victim.left  # noqa: E731
+        elif kind == "idle":
+            what = "idle (no change is possible)"
+            w.note(f"step {i}: {what}")
         else:  # worker-death
             state = self._state()
             if state is None or not state.active:
@@ -281,10 +300,10 @@ class ServingScenario:
             kind = self.rng.choice(self.faults)
             if kind == "join" and len(w.nodes) >= self.nodes_at_start + EXTRA_NODES_MAX:
                 continue
-            if kind in ("crash", "pause", "leave", "short-crash", "short-pause") and up < 3:
-                continue  # keep a quorum and two Macs to hold the model
+            if kind in ("crash", "pause", "leave", "short-crash", "short-pause") and up <= max(2, self.need):
+                continue  # keep a quorum, and enough Macs to hold the model
             return kind
-        return "join" if len(w.nodes) < self.nodes_at_start + EXTRA_NODES_MAX else "worker-death"
+        return "join" if len(w.nodes) < self.nodes_at_start + EXTRA_NODES_MAX else "idle"
 
     def _victim(self, *, stage_bias: float) -> SimNode:
         w = self.world
@@ -375,6 +394,8 @@ class ServingScenario:
         if not self.clients_on or self.result.requests >= REQUESTS_MAX:
             return
         live = [n for n in w.live_nodes() if not n.paused and n.machine is not None and n.machine.mode is Mode.MEMBER]
+        if not self.fresh_origins:
+            live = [n for n in live if self._known_everywhere(n)]
         if live:
             self._issue(self.rng.choice(live))
         w.at(w.now_us + 1 + int(self.rng.expovariate(1 / REQUEST_GAP_US)), self._client)
@@ -389,9 +410,22 @@ class ServingScenario:
         as_tokens = rng.random() < TOKEN_PROMPTS
         max_tokens = rng.randint(*MAX_TOKENS)
         params = GenerateParams(None if as_tokens else text, tokens if as_tokens else (), max_tokens, 0.0, 1.0, 0)
-        self.requests[req] = _Request(req, origin.index, origin.gen, tokens, max_tokens, w.now_us)
+        self.requests[req] = _Request(req, origin.index, origin.gen, tokens, max_tokens, w.now_us, w.now_us)
         w.note(f"client asks {origin.name} for {req} ({max_tokens} tokens{', as tokens' if as_tokens else ''})")
         w.call(origin, GenerateRequested(req, params))
+
+    def _known_everywhere(self, origin: SimNode) -> bool:
+        """Every running member has applied this Mac's membership. A head drops inference
+        frames from a Mac it does not know as a member yet, and the origin never re-sends
+        (a core gap, docs/simulator.md): clients ask established Macs unless
+        ``fresh_origins``."""
+        for n in self.world.live_nodes():
+            m = n.machine
+            if n.paused or m is None or m.raft is None or m.mode is not Mode.MEMBER:
+                continue
+            if not any(x.node_id == origin.node_id for x in m.raft.state.members):
+                return False
+        return True
 
     def _pending(self) -> list[_Request]:
         return [q for q in self.requests.values() if not q.done and not self._orphaned(q)]
@@ -403,9 +437,6 @@ class ServingScenario:
     # Checks, on every synced Ready
 
     def _observe(self, node: SimNode, ready: Ready) -> None:
-        m = node.machine
-        if m is not None and m.raft is not None and m.raft.state.active:
-            self.last_active_us = self.world.now_us
         for e in ready.applied:
             cmd = e.command
             if isinstance(cmd, SetPlacement):
@@ -421,6 +452,7 @@ class ServingScenario:
             raise InvariantViolated("placement-tiling", f"{node.name} applied epoch {cmd.epoch} with other stages than another node")
         if not cmd.stages:
             return
+        self.result.stages_max = max(self.result.stages_max, len(cmd.stages))
         pos = 0
         for s in cmd.stages:
             if s.start != pos or s.end <= s.start:
@@ -449,16 +481,20 @@ class ServingScenario:
             raise InvariantViolated("client-after-done", f"{node.name} reported {ev.req}, which no client asked it for")
         if q.done:
             raise InvariantViolated("client-after-done", f"{node.name} reported {ev.req} again after its end ({q.finish})")
-        q.tokens.extend(ev.tokens)
+        if ev.tokens:
+            q.tokens.extend(ev.tokens)
+            q.progress_us = self.world.now_us
         if not ev.done:
             return
         q.done, q.finish, q.text = True, ev.finish, ev.text
         if q.finish == "error":
-            quiet_ms = (self.world.now_us - self.last_active_us) / 1000
-            if quiet_ms >= STALL_MS and q.text.startswith("no serving epoch"):
+            # The Router's own bound: a request that made no progress for STALL_MS (no
+            # serving epoch, or one that is stuck) ends with an error; nothing else may.
+            quiet_ms = (self.world.now_us - q.progress_us) / 1000
+            if quiet_ms >= STALL_MS:
                 self.result.errors += 1
                 return
-            raise InvariantViolated("request-error", f"{q.req} at {node.name} ended with an error: {q.text!r}")
+            raise InvariantViolated("request-error", f"{q.req} at {node.name} ended with an error after {quiet_ms:.0f} ms without progress: {q.text!r}")
         want, finish = expected_output(q.prompt_tokens, q.max_tokens)
         got = tuple(q.tokens)
         if got != want or q.finish != finish:
@@ -478,12 +514,13 @@ def run_serving_seed(
     faults: tuple[str, ...] = FAULT_KINDS,
     machine_class: type[Machine] = Machine,
     trace: TextIO | None = None,
-    echo_prompt_tokens: bool = True,
+    report_prompt: str | None = None,
     ordered: bool = True,
+    fresh_origins: bool = False,
 ) -> ServingRun:
     """One run; without ``nodes`` the seed picks 3-6 Macs."""
     n = 3 + seed % 4 if nodes is None else nodes
     return ServingScenario(
-        seed, nodes=n, faults=faults, machine_class=machine_class, trace=trace, echo_prompt_tokens=echo_prompt_tokens,
-        ordered=ordered,
+        seed, nodes=n, faults=faults, machine_class=machine_class, trace=trace, report_prompt=report_prompt,
+        ordered=ordered, fresh_origins=fresh_origins,
     ).run()
