@@ -227,9 +227,8 @@ class DataPlane:
         return status
 
     def stats(self) -> DataPlaneStats:
-        loaded = sum(1 for _ in self.loaded_ever)
         resumed = sum(1 for epochs in self.submitted.values() if len(epochs) > 1)
-        return DataPlaneStats(self.started, loaded, len(self.broken), self.submits, resumed)
+        return DataPlaneStats(self.started, len(self.loaded_ever), len(self.broken), self.submits, resumed)
 
     # ------------------------------------------------------------------------------
     # Lifecycle

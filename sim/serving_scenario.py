@@ -37,10 +37,18 @@ Opt-in fault kinds show known gaps of the core (docs/simulator.md, "The data pla
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, TextIO
+from typing import TextIO
 
-from p2pmesh.core.machine import GenerateRequested, Machine, Mode, ModelMeasured, ProposalRequested, Ready
+from p2pmesh.core.machine import (
+    GenerateRequested,
+    Machine,
+    Mode,
+    ModelMeasured,
+    ProposalRequested,
+    Ready,
+)
 from p2pmesh.core.messages import (
     ActivatePlacement,
     ClusterState,
@@ -50,6 +58,7 @@ from p2pmesh.core.messages import (
     ModelInfo,
     SetModel,
     SetPlacement,
+    Stage,
 )
 from p2pmesh.core.serving import STALL_MS, ClientEvent, GenerateParams
 from sim.checks import InvariantViolated
@@ -165,7 +174,7 @@ class ServingScenario:
         self.measures: dict[int, Measure] = {}
         self.requests: dict[str, _Request] = {}
         self.clients_on = False
-        self.placements: dict[int, tuple] = {}
+        self.placements: dict[int, tuple[Stage, ...]] = {}
         self.activations_checked: set[int] = set()
 
     # ------------------------------------------------------------------------------
@@ -175,7 +184,7 @@ class ServingScenario:
             self._run()
         except InvariantViolated as exc:
             self.result.violation, self.result.detail = exc.invariant, exc.detail
-        except Exception as exc:  # an assertion or crash inside the core is a finding too
+        except Exception as exc:  # noqa: BLE001 - an assertion or crash inside the core is a finding too
             self.result.violation = "core-exception"
             self.result.detail = f"{type(exc).__name__}: {exc}"
         w = self.world
@@ -270,13 +279,13 @@ class ServingScenario:
             self._measure(node)
             what = f"join {node.name}"
             w.note(f"step {i}: {what}")
-            extra = lambda: self._member_measured(node)  # noqa: E731 - a one-line predicate
+            extra = lambda: self._member_measured(node)
         elif kind == "leave":
             victim = self._victim(stage_bias=0.5)
             what = f"leave {victim.name}"
             w.note(f"step {i}: {what}")
             w.leave(victim)
-            extra = lambda: victim.left  # noqa: E731
+            extra = lambda: victim.left
         elif kind == "idle":
             what = "idle (no change is possible)"
             w.note(f"step {i}: {what}")

@@ -31,19 +31,40 @@ REFERENCE_TOKENS = 480
 PROMPT = "the quick brown fox"
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _make(tmp_path_factory: pytest.TempPathFactory, hidden: int) -> Path:
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_tiny_model import make_tiny_model
 
-    out = tmp_path_factory.mktemp("model") / "tiny-llama"
-    make_tiny_model(out, family="llama", layers=LAYERS, hidden=512, seed=3)  # slow enough to kill mid-stream
+    out = tmp_path_factory.mktemp("model") / f"tiny-llama-{hidden}"
+    make_tiny_model(out, family="llama", layers=LAYERS, hidden=hidden, seed=3)
     return out
 
 
 @pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Compute is cheap next to a hop: one Mac that holds it all beats any split."""
+    return _make(tmp_path_factory, 64)
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Slow enough per token that a Mac can be killed mid-stream."""
+    return _make(tmp_path_factory, 512)
+
+
+@pytest.fixture(scope="module")
 def reference(tiny_model: Path) -> list[int]:
+    return _reference(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def slow_reference(slow_model: Path) -> list[int]:
+    return _reference(slow_model)
+
+
+def _reference(model: Path) -> list[int]:
     """Greedy tokens of one plain mlx-lm process (the worker package is not involved)."""
+    tiny_model = model
     code = f"""
 import json, mlx.core as mx
 from mlx_lm import load
@@ -147,7 +168,10 @@ def test_three_stage_generation_equals_one_process(tmp_path: Path, tiny_model: P
         _stop(agents)
 
 
-def test_killing_a_stage_mid_generation_finishes_with_identical_tokens(tmp_path: Path, tiny_model: Path, reference: list[int]) -> None:
+def test_killing_a_stage_mid_generation_finishes_with_identical_tokens(
+    tmp_path: Path, slow_model: Path, slow_reference: list[int]
+) -> None:
+    tiny_model, reference = slow_model, slow_reference
     per_layer, extras = _layer_bytes(tiny_model)
     # Each Mac holds 4 layers at most: two stages serve, the third Mac is spare.
     agents = _agents(tmp_path, 3, [extras + per_layer * 4 + per_layer // 2] * 3)
