@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from p2pmesh.core import dataplane
-from p2pmesh.core.machine import WorkerLoaded, WorkerOutput
+from p2pmesh.core.machine import WorkerCrashed, WorkerLoaded, WorkerOutput
 from p2pmesh.core.mlx_hostfile import MlxConfigError, ring_hostfile
 from p2pmesh.core.serving import WorkerSubmit
 
@@ -104,6 +104,7 @@ class Supervisor:
                 del self.workers[epoch]
                 self.failed.add(epoch)
                 nursery.start_soon(self._stop, w)
+                await self.agent.inbox_send.send(WorkerCrashed(epoch))
         for epoch, want in wanted.items():
             if epoch not in self.workers and epoch not in self.failed:
                 hops = state.placement_hops if epoch == state.placement_epoch else state.active_hops
@@ -165,6 +166,7 @@ class Supervisor:
             del self.workers[w.epoch]
             self.failed.add(w.epoch)
             log.warning("the worker of epoch %d exited with %s", w.epoch, code)
+            await self.agent.inbox_send.send(WorkerCrashed(w.epoch))
 
     async def _event(self, w: _Worker, line: bytes) -> None:
         try:
@@ -184,12 +186,13 @@ class Supervisor:
             # request stays with its origin, which sends it again to the next epoch.
             log.warning("worker of epoch %d: %s", w.epoch, event.get("message"))
         elif kind in ("token", "done", "error") and event.get("id") is not None:
+            req, _, attempt = str(event["id"]).rpartition("@")
             done = kind != "token"
             tokens = (int(event["token"]),) if kind == "token" else ()
             finish = str(event.get("finish") or ("error" if kind == "error" else ""))
             text = str(event.get("text") or event.get("message") or "")
             prompt = tuple(int(t) for t in event.get("prompt_tokens") or ())
-            await inbox.send(WorkerOutput(w.epoch, str(event["id"]), tokens, text, done, finish, prompt))
+            await inbox.send(WorkerOutput(w.epoch, req, tokens, text, done, finish, prompt, int(attempt) if attempt.isdigit() else 0))
         elif kind == "error":
             log.warning("worker of epoch %d: %s", w.epoch, event.get("message"))
 
@@ -197,18 +200,20 @@ class Supervisor:
         """Hand a request to the local head worker of its epoch (rank 0)."""
         w = self.workers.get(s.epoch)
         if w is None or w.rank != 0 or w.process.stdin is None:
-            await self.agent.inbox_send.send(WorkerOutput(s.epoch, s.req, (), "no head worker here for that epoch", True, "error", ()))
+            # The epoch's head worker is gone (reported as WorkerCrashed): the request waits
+            # with its origin for the next epoch, not the client's error.
+            log.info("request %s: no head worker for epoch %d here", s.req, s.epoch)
             return
         p = s.params
         line = json.dumps({
-            "op": "generate", "id": s.req, "prompt": p.prompt, "prompt_tokens": list(p.prompt_tokens) or None,
+            "op": "generate", "id": f"{s.req}@{s.attempt}", "prompt": p.prompt, "prompt_tokens": list(p.prompt_tokens) or None,
             "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed,
         }).encode() + b"\n"
         async with w.stdin_lock:
             try:
                 await w.process.stdin.send_all(line)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                await self.agent.inbox_send.send(WorkerOutput(s.epoch, s.req, (), "the head worker is gone", True, "error", ()))
+                log.info("request %s: the head worker of epoch %d is gone", s.req, s.epoch)
 
     async def _stop(self, w: _Worker) -> None:
         """Ask a worker to drain and exit; kill it if it does not within the grace time."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from p2pmesh.core import dataplane
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.machine import Mode, Ready, WorkerLoaded, WorkerOutput
+from p2pmesh.core.machine import WorkerCrashed, Mode, Ready, WorkerLoaded, WorkerOutput
 from p2pmesh.core.messages import Stage
 from p2pmesh.core.serving import GenerateParams, WorkerSubmit
 from sim.world import SimNode, World
@@ -111,6 +111,7 @@ class _Job:
     """Hash of the context so far (prompt plus generated)."""
     left: int
     report_prompt: tuple[int, ...]
+    attempt: int = 0
     first: bool = True
     polls: int = 0
 
@@ -240,6 +241,15 @@ class DataPlane:
         if epoch not in self.broken:
             self.broken[epoch] = why
             self.world.note(f"group epoch={epoch} broken: {why}")
+            # MLX's ranks fail once a peer's process is gone ("connection to a peer was
+            # lost"); each live Mac's agent then reports its worker of the epoch as crashed.
+            for index, mine in self.workers.items():
+                if epoch in mine:
+                    self._report_crash(self.world.nodes[index], epoch)
+
+    def _report_crash(self, node: SimNode, epoch: int) -> None:
+        if node.alive and not node.left and node.machine is not None:
+            self.world.call(node, WorkerCrashed(epoch))
 
     def _start(self, node: SimNode, want: dataplane.WantedWorker) -> None:
         w = FakeWorker(
@@ -255,7 +265,10 @@ class DataPlane:
         if self.workers.get(node.index, {}).get(w.epoch) is not w or not self._alive(node, w):
             return
         if w.epoch in self.broken:
-            return  # its layers load, but the group it should join is gone: never ready
+            # Its layers load, but the group it should join is gone: it never becomes ready,
+            # its ring connect gives up, and the agent reports the crash.
+            self._report_crash(node, w.epoch)
+            return
         w.loaded_us = self.world.now_us
         self.loaded_ever.add((node.node_id, w.epoch))
         self.world.note(f"{node.name} worker epoch={w.epoch} loaded")
@@ -274,20 +287,20 @@ class DataPlane:
         self.world.note(f"{node.name} head epoch={s.epoch} gets {s.req}: {what}, {p.max_tokens} to generate")
         w = self.workers.get(node.index, {}).get(s.epoch)
         if w is None or w.rank != 0 or w.dead is not None:
-            # What the agent's Supervisor answers when it has no head worker for the epoch.
-            self.world.call(node, WorkerOutput(s.epoch, s.req, (), "no head worker here for that epoch", True, "error", ()))
+            # What the agent's Supervisor does when it has no head worker for the epoch: the
+            # request waits with its origin for the next epoch.
             return
-        w.queue.append(self._job(s.req, s.params))
+        w.queue.append(self._job(s.req, s.params, s.attempt))
         if not w.busy and w.loaded_us is not None:
             self._schedule(node, w, self.rng.randint(*PREFILL_US))
 
-    def _job(self, req: str, p: GenerateParams) -> _Job:
+    def _job(self, req: str, p: GenerateParams, attempt: int) -> _Job:
         if p.prompt_tokens:
             tokens, report = p.prompt_tokens, (p.prompt_tokens if self.report_prompt == "all" else ())
         else:
             tokens = tokenize(p.prompt or "")
             report = tokens if self.report_prompt != "none" else ()
-        return _Job(req, context_hash(tokens), p.max_tokens, report)
+        return _Job(req, context_hash(tokens), p.max_tokens, report, attempt)
 
     def _schedule(self, node: SimNode, w: FakeWorker, delay_us: int) -> None:
         w.busy = True
@@ -311,17 +324,17 @@ class DataPlane:
         prompt, job.first = (job.report_prompt if job.first else ()), False
         epoch = w.epoch
         if tok is None:  # nothing left to generate (a resume asks only for the rest)
-            self.world.call(node, WorkerOutput(epoch, job.req, (), "", True, "length", prompt))
+            self.world.call(node, WorkerOutput(epoch, job.req, (), "", True, "length", prompt, job.attempt))
             w.queue.popleft()
         elif tok == EOS:
-            self.world.call(node, WorkerOutput(epoch, job.req, (), "", True, "stop", prompt))
+            self.world.call(node, WorkerOutput(epoch, job.req, (), "", True, "stop", prompt, job.attempt))
             w.queue.popleft()
         else:
             job.h = _mix(job.h, tok)
             job.left -= 1
-            self.world.call(node, WorkerOutput(epoch, job.req, (tok,), f"t{tok} ", False, "", prompt))
+            self.world.call(node, WorkerOutput(epoch, job.req, (tok,), f"t{tok} ", False, "", prompt, job.attempt))
             if job.left <= 0:
-                self.world.call(node, WorkerOutput(epoch, job.req, (), "", True, "length", ()))
+                self.world.call(node, WorkerOutput(epoch, job.req, (), "", True, "length", (), job.attempt))
                 w.queue.popleft()
         if w.queue:
             jitter = self.rng.randint(0, w.token_us // 5)

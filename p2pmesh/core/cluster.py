@@ -33,6 +33,7 @@ from p2pmesh.core.messages import (
     SetPlacement,
     SetRing,
     UpdateMember,
+    WorkerFailed,
     WorkerReady,
 )
 
@@ -100,7 +101,7 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
         if cmd.epoch <= state.ring_epoch:
             return state  # a stale proposal from an earlier leader
         return replace(state, ring_epoch=cmd.epoch, ring=cmd.order, ring_hops=cmd.hops)
-    if isinstance(cmd, (SetModel, SetPlacement, WorkerReady, ActivatePlacement)):
+    if isinstance(cmd, (SetModel, SetPlacement, WorkerReady, ActivatePlacement, WorkerFailed)):
         return _apply_dataplane(state, cmd)
     if isinstance(cmd, Put):
         kv = dict(state.kv)
@@ -110,7 +111,9 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
     raise AssertionError(f"unknown command {cmd!r}")
 
 
-def _apply_dataplane(state: ClusterState, cmd: SetModel | SetPlacement | WorkerReady | ActivatePlacement) -> ClusterState:
+def _apply_dataplane(
+    state: ClusterState, cmd: SetModel | SetPlacement | WorkerReady | ActivatePlacement | WorkerFailed
+) -> ClusterState:
     """The model and the data-plane epochs (core/dataplane.py decides; this only records).
     A placement starts pending; it serves once ActivatePlacement commits (make before
     break), except an empty one (serve nothing), which takes effect at once."""
@@ -126,10 +129,16 @@ def _apply_dataplane(state: ClusterState, cmd: SetModel | SetPlacement | WorkerR
             placement_ring_epoch=cmd.ring_epoch,
             placement_hops=cmd.hops,
             ready=(),
+            restarts=state.restarts + 1 if cmd.restart else 0,
         )
         if not cmd.stages:
             state = replace(state, active_epoch=cmd.epoch, active=(), active_hops=())
         return state
+    if isinstance(cmd, WorkerFailed):
+        member = find_member(state, cmd.node_id)
+        if member is None or member.inc != cmd.inc or cmd.epoch not in (state.active_epoch, state.placement_epoch):
+            return state
+        return replace(state, failed_epoch=max(state.failed_epoch, cmd.epoch))
     if isinstance(cmd, WorkerReady):
         member = find_member(state, cmd.node_id)
         staged = any(s.node_id == cmd.node_id for s in state.placement)

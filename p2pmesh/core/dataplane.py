@@ -29,6 +29,9 @@ from p2pmesh.core.placement import ModelSpec, NodeSpec, Plan, PlacementError, so
 from p2pmesh.core.placement import Stage as PlanStage
 from p2pmesh.core.ring import Link
 
+RESTARTS_MAX = 5
+"""A group that keeps failing with the same stages (a corrupt model file, a port taken) is
+restarted at most this many times in a row; then the cluster stops serving and says so."""
 PLACEMENT_MARGIN = 0.15
 """A serving plan is replaced only when a new one is at least 15% faster (or it no longer
 fits): moving layers costs loading time, and measurements are noisy."""
@@ -51,9 +54,15 @@ def negotiate(state: ClusterState) -> SetPlacement | ActivatePlacement | None:
     if wanted is None:
         return None
     hops = pipeline_hops(state, wanted)
-    if wanted == state.placement and hops == state.placement_hops:
-        return None  # already proposed (pending) or serving as it should
-    return SetPlacement(state.placement_epoch + 1, state.model.name if state.model else "", wanted, state.ring_epoch, hops)
+    model = state.model.name if state.model else ""
+    if wanted != state.placement or hops != state.placement_hops:
+        return SetPlacement(state.placement_epoch + 1, model, wanted, state.ring_epoch, hops)
+    newest = max(state.active_epoch, state.placement_epoch)
+    if wanted and state.failed_epoch >= newest and state.restarts < RESTARTS_MAX:
+        # A worker of the newest epoch died with every Mac still up: the group cannot
+        # re-form inside its processes, so start the same stages as a new epoch.
+        return SetPlacement(state.placement_epoch + 1, model, wanted, state.ring_epoch, hops, restart=True)
+    return None  # already proposed (pending) or serving as it should
 
 
 def _wanted_stages(state: ClusterState) -> tuple[Stage, ...] | None:

@@ -61,6 +61,7 @@ from p2pmesh.core.messages import (
     RemovalNotice,
     RemoveMember,
     Snapshot,
+    WorkerFailed,
     WorkerReady,
 )
 from p2pmesh.core.raft import HardState, Raft, RaftOutput, Role
@@ -175,6 +176,14 @@ class WorkerOutput:
     done: bool
     finish: str
     prompt_tokens: tuple[int, ...]
+    attempt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCrashed:
+    """This node's worker for data-plane ``epoch`` exited or stopped answering."""
+
+    epoch: int
 
 
 Input = (
@@ -191,6 +200,7 @@ Input = (
     | WorkerLoaded
     | GenerateRequested
     | WorkerOutput
+    | WorkerCrashed
 )
 
 
@@ -326,6 +336,9 @@ class Machine:
         self.loaded: set[int] = set()
         """Data-plane epochs whose local worker reported ready."""
         self._ready_sent: dict[int, int] = {}
+        self.crashed: set[int] = set()
+        """Data-plane epochs whose local worker died or hung."""
+        self._failed_sent: dict[int, int] = {}
         self._placement_checked_at: tuple[int, int] = (-1, -1)
         self.router = Router(node_id)
         self._ring_checked_at: tuple[int, int] = (-1, -1)
@@ -456,7 +469,11 @@ class Machine:
         elif isinstance(event, GenerateRequested):
             self.router.requested(event.req, event.params, now_ms)
         elif isinstance(event, WorkerOutput):
-            self.router.worker_event(event.epoch, event.req, event.tokens, event.text, event.done, event.finish, event.prompt_tokens)
+            self.router.worker_event(
+                event.epoch, event.req, event.tokens, event.text, event.done, event.finish, event.prompt_tokens, event.attempt
+            )
+        elif isinstance(event, WorkerCrashed):
+            self.crashed = {e for e in self.crashed if e >= event.epoch - 2} | {event.epoch}
         elif isinstance(event, LeaveRequested):
             if not self.leaving:
                 self.leaving = True
@@ -509,8 +526,10 @@ class Machine:
 
     def _on_infer(self, peer: NodeId, msg: InferRequest | InferTokens, now_ms: int) -> None:
         r = self.raft
-        if r is None or not any(m.node_id == peer for m in r.state.members):
-            self.rejected_frames += 1  # inference is for members of our cluster only
+        # Authenticated peers only reach us at all; also accept a Mac that joined so recently
+        # that this node has not applied its membership yet (it knows it from discovery).
+        if r is None or not (any(m.node_id == peer for m in r.state.members) or peer in self.peers):
+            self.rejected_frames += 1
             return
         if isinstance(msg, InferRequest):
             self.router.on_request(peer, msg, r.state)
@@ -847,6 +866,11 @@ class Machine:
             if now_ms - self._ready_sent.get(epoch, -(10**9)) >= self.settings.hello_ms:
                 self._ready_sent = {epoch: now_ms}
                 self._propose(WorkerReady(self.node_id, self.inc, epoch), now_ms)
+        for broken in sorted(self.crashed):
+            if broken in (state.active_epoch, state.placement_epoch) and state.failed_epoch < broken:
+                if now_ms - self._failed_sent.get(broken, -(10**9)) >= self.settings.hello_ms:
+                    self._failed_sent = {broken: now_ms}
+                    self._propose(WorkerFailed(self.node_id, self.inc, broken), now_ms)
 
     def _route(self, now_ms: int) -> None:
         """Move inference requests along (core/serving.py) and collect their effects."""

@@ -272,6 +272,8 @@ class SetPlacement:
     hops: tuple[RingHop, ...]
     """Stage i to stage i+1 (the last back to the first), with the addresses every worker
     of the epoch renders its MLX hostfile from: fixed here so all render the same one."""
+    restart: bool = False
+    """The same stages again, because a worker of the previous epoch failed."""
 
 
 @register(28)
@@ -292,9 +294,19 @@ class ActivatePlacement:
     epoch: int
 
 
+@register(23)
+@dataclass(frozen=True, slots=True)
+class WorkerFailed:
+    """A member's worker for ``epoch`` died or hung: that epoch's group is broken."""
+
+    node_id: NodeId
+    inc: int
+    epoch: int
+
+
 Command = (
     Noop | AddLearner | Promote | RemoveMember | MarkDown | MarkUp | UpdateMember | SetRing | Put | PublishPorts
-    | SetModel | PublishMeasure | SetPlacement | WorkerReady | ActivatePlacement
+    | SetModel | PublishMeasure | SetPlacement | WorkerReady | ActivatePlacement | WorkerFailed
 )
 CONFIG_COMMANDS = (AddLearner, Promote, RemoveMember)
 
@@ -330,6 +342,10 @@ class ClusterState:
     active: tuple[Stage, ...] = ()
     """The stages serving now (empty: not serving)."""
     active_hops: tuple[RingHop, ...] = ()
+    failed_epoch: int = 0
+    """The newest data-plane epoch a member reported broken (WorkerFailed)."""
+    restarts: int = 0
+    """Consecutive restarts of the same stages (bounded: core/dataplane.py)."""
 
 
 @register(22)
@@ -514,6 +530,9 @@ class InferRequest:
     temperature: float
     top_p: float
     seed: int
+    attempt: int = 0
+    """Counts the origin's sends of this request: a head keeps only the newest attempt, and
+    replies name it, so nothing of an abandoned attempt is mixed into the stream."""
 
 
 @register(55)
@@ -531,6 +550,10 @@ class InferTokens:
     """stop, length, or error (then ``text`` says why)."""
     prompt_tokens: tuple[int, ...]
     """The prompt as the head tokenized it (first reply only), so a resume needs no tokenizer."""
+    attempt: int = 0
+    seq: int = 0
+    """How many tokens of this attempt came before these: a gap (a frame the transport
+    dropped) is detected, and the origin sends the request again."""
 
 
 Message = RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice | InferRequest | InferTokens

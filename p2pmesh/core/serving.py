@@ -43,6 +43,7 @@ class WorkerSubmit:
     epoch: int
     req: str
     params: GenerateParams
+    attempt: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,9 @@ class _Origin:
     skip: int = 0
     """Tokens to drop from the current stream: a request replayed from its prompt text
     (the head never told us the prompt's tokens) regenerates what the client already has."""
+    attempt: int = 0
+    received: int = 0
+    """Tokens received from the current attempt's stream (its next seq)."""
     stale_epoch: int = -1
     """An epoch a head told us is over: do not send there again before our state moves."""
     resumes: int = 0
@@ -80,6 +84,7 @@ class _Served:
     epoch: int
     request: InferRequest
     submitted: bool = False
+    sent: int = 0
 
 
 class Router:
@@ -109,8 +114,11 @@ class Router:
     def on_request(self, src: NodeId, msg: InferRequest, state: ClusterState | None) -> None:
         """An origin asks this node, as head, to run a request."""
         if len(self.served) >= REQUESTS_MAX and msg.req not in self.served:
-            self.messages.append((src, InferTokens(self.me, msg.req, msg.epoch, (), "the head is full", True, "error", ())))
+            self.messages.append((src, InferTokens(self.me, msg.req, msg.epoch, (), "the head is full", True, "error", (), msg.attempt, 0)))
             return
+        old = self.served.get(msg.req)
+        if old is not None and old.request.attempt > msg.attempt:
+            return  # a late copy of an attempt the origin already replaced
         self.served[msg.req] = _Served(src, msg.epoch, msg)
 
     def on_tokens(self, msg: InferTokens, now_ms: int) -> None:
@@ -118,6 +126,16 @@ class Router:
         o = self.origins.get(msg.req)
         if o is None or o.sent_to is None or o.sent_to[1] != msg.epoch or o.sent_to[0] != msg.src:
             return  # a request we gave up, or a late reply from an epoch we moved away from
+        if msg.attempt != o.attempt:
+            return  # a reply to an attempt we replaced
+        if msg.done and msg.finish == "error" and msg.text == STALE:
+            o.sent_to = None  # the head moved on before us: send again once we catch up
+            o.stale_epoch = msg.epoch
+            return
+        if msg.seq != o.received:
+            o.sent_to = None  # a frame of the stream was lost: send the request again
+            return
+        o.received += len(msg.tokens)
         if msg.prompt_tokens and not o.prompt_tokens:
             o.prompt_tokens = msg.prompt_tokens
         tokens = msg.tokens
@@ -135,21 +153,18 @@ class Router:
         if not msg.done and len(o.generated) >= o.params.max_tokens:
             finish = "length"  # a resumed request asked only for the rest; stop on our count
         done = msg.done or finish == "length"
-        if done and finish == "error" and msg.text == STALE:
-            o.sent_to = None  # the head moved on before us: send again once we catch up
-            o.stale_epoch = msg.epoch
-            return
         self.client.append(ClientEvent(msg.req, tokens, msg.text, done, finish if done else ""))
         if done:
             del self.origins[msg.req]
 
     def worker_event(self, epoch: int, req: str, tokens: tuple[int, ...], text: str, done: bool, finish: str,
-                     prompt_tokens: tuple[int, ...]) -> None:
+                     prompt_tokens: tuple[int, ...], attempt: int = 0) -> None:
         """The local head worker produced tokens (or finished) for a request."""
         s = self.served.get(req)
-        if s is None or s.epoch != epoch:
+        if s is None or s.epoch != epoch or s.request.attempt != attempt:
             return
-        reply = InferTokens(self.me, req, epoch, tokens, text, done, finish, prompt_tokens)
+        reply = InferTokens(self.me, req, epoch, tokens, text, done, finish, prompt_tokens, attempt, s.sent)
+        s.sent += len(tokens)
         self.messages.append((s.origin, reply))
         if done:
             del self.served[req]
@@ -178,24 +193,28 @@ class Router:
 
     def _request(self, req: str, o: _Origin, epoch: int) -> InferRequest:
         p = o.params
+        o.attempt += 1
+        o.received = 0
         if o.generated and o.prompt_tokens:
             o.skip = 0
             tokens = o.prompt_tokens + tuple(o.generated)
-            return InferRequest(self.me, req, epoch, None, tokens, p.max_tokens - len(o.generated), p.temperature, p.top_p, p.seed)
+            return InferRequest(self.me, req, epoch, None, tokens, p.max_tokens - len(o.generated), p.temperature, p.top_p,
+                                p.seed, o.attempt)
         o.skip = len(o.generated)  # replay from the start; drop what the client already has
-        return InferRequest(self.me, req, epoch, p.prompt, p.prompt_tokens, p.max_tokens, p.temperature, p.top_p, p.seed)
+        return InferRequest(self.me, req, epoch, p.prompt, p.prompt_tokens, p.max_tokens, p.temperature, p.top_p, p.seed,
+                            o.attempt)
 
     def _serve(self, head: NodeId | None, epoch: int) -> None:
         for req, s in list(self.served.items()):
             if s.epoch < epoch or head != self.me and s.epoch == epoch:
                 # The request's epoch is over here; its origin re-sends it to the new head.
-                self.messages.append((s.origin, InferTokens(self.me, req, s.epoch, (), STALE, True, "error", ())))
+                self.messages.append((s.origin, InferTokens(self.me, req, s.epoch, (), STALE, True, "error", (), s.request.attempt, s.sent)))
                 del self.served[req]
             elif s.epoch == epoch and not s.submitted:
                 r = s.request
                 s.submitted = True
                 params = GenerateParams(r.prompt, r.prompt_tokens, r.max_tokens, r.temperature, r.top_p, r.seed)
-                self.submits.append(WorkerSubmit(epoch, req, params))
+                self.submits.append(WorkerSubmit(epoch, req, params, r.attempt))
             # s.epoch > epoch: the origin saw a newer epoch than we have applied; wait.
 
     def take(self) -> tuple[list[tuple[NodeId, Message]], list[WorkerSubmit], list[ClientEvent]]:

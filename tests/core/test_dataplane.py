@@ -57,8 +57,9 @@ def test_a_request_goes_to_the_head_and_its_tokens_come_back() -> None:
     submits = [s for r in d.readies[head] for s in r.submits]
     assert [s.req for s in submits] == ["r1"]
     epoch = submits[0].epoch
-    d.handle(head, WorkerOutput(epoch, "r1", (7,), "a", False, "", (1, 2)))
-    d.handle(head, WorkerOutput(epoch, "r1", (8,), "b", True, "length", ()))
+    attempt = submits[0].attempt
+    d.handle(head, WorkerOutput(epoch, "r1", (7,), "a", False, "", (1, 2), attempt))
+    d.handle(head, WorkerOutput(epoch, "r1", (8,), "b", True, "length", (), attempt))
     d.run(100)
     events = [e for r in d.readies[origin] for e in r.client]
     assert [e.tokens for e in events] == [(7,), (8,)] and events[-1].done and events[-1].finish == "length"
@@ -77,7 +78,7 @@ def test_a_stage_going_down_moves_the_cluster_to_a_new_epoch_and_the_request_res
     d.run(50)
     head = first.active[0].node_id
     if head != victim:
-        d.handle(head, WorkerOutput(first.active_epoch, "r1", (7,), "a", False, "", (1, 2)))
+        d.handle(head, WorkerOutput(first.active_epoch, "r1", (7,), "a", False, "", (1, 2), 1))
     d.cut.add(victim)  # the Mac goes silent: marked down, leaves the ring and the placement
     assert d.run_until(lambda: _state(leader_of(d)).placement_epoch > first.active_epoch
                        and victim not in {s.node_id for s in _state(leader_of(d)).placement}, 10_000)
@@ -102,3 +103,24 @@ def test_a_model_that_fits_nowhere_is_not_placed() -> None:
         d.handle(n, ModelMeasured(Measure("tiny", 2000, 0.5)))  # room for one layer each
     d.run(2_000)
     assert _state(leader_of(d)).active == () and _state(leader_of(d)).placement == ()
+
+
+def test_a_worker_dying_on_a_live_mac_restarts_the_same_stages_as_a_new_epoch() -> None:
+    from p2pmesh.core.dataplane import RESTARTS_MAX
+    from p2pmesh.core.machine import WorkerCrashed
+
+    d, ids = formed(3)
+    state = _serve(d, ids)
+    for s in state.placement:
+        d.handle(s.node_id, WorkerLoaded(state.placement_epoch))
+    assert d.run_until(lambda: bool(_state(leader_of(d)).active), 5_000)
+    for round_ in range(RESTARTS_MAX + 1):
+        current = _state(leader_of(d))
+        broken = max(current.active_epoch, current.placement_epoch)
+        d.handle(current.placement[0].node_id, WorkerCrashed(broken))
+        d.run(1_000)
+        after = _state(leader_of(d))
+        if round_ < RESTARTS_MAX:
+            assert after.placement_epoch == broken + 1 and after.placement == current.placement
+        else:  # a group that keeps failing is not restarted forever
+            assert after.placement_epoch == broken

@@ -27,8 +27,8 @@ def test_origin_sends_to_the_head_and_streams_tokens_to_its_client() -> None:
     head.tick(None, B, 3, 1)
     _, submits, _ = head.take()
     assert [s.req for s in submits] == ["r1"] and submits[0].params.prompt == "hello"
-    head.worker_event(3, "r1", (11,), "x", False, "", (1, 2, 3))
-    head.worker_event(3, "r1", (12,), "y", True, "stop", ())
+    head.worker_event(3, "r1", (11,), "x", False, "", (1, 2, 3), 1)
+    head.worker_event(3, "r1", (12,), "y", True, "stop", (), 1)
     messages, _, _ = head.take()
     assert [dst for dst, _ in messages] == [A, A]
     for _, m in messages:
@@ -44,8 +44,8 @@ def test_an_epoch_change_resumes_with_prompt_plus_generated_tokens() -> None:
     origin.requested("r1", PARAMS, 0)
     origin.tick(None, B, 3, 0)
     [(_, first)] = _requests(origin)
-    origin.on_tokens(InferTokens(B, "r1", 3, (11,), "x", False, "", (1, 2, 3)), 1)
-    origin.on_tokens(InferTokens(B, "r1", 3, (12,), "y", False, "", ()), 2)
+    origin.on_tokens(InferTokens(B, "r1", 3, (11,), "x", False, "", (1, 2, 3), 1, 0), 1)
+    origin.on_tokens(InferTokens(B, "r1", 3, (12,), "y", False, "", (), 1, 1), 2)
     origin.take()
     # B died; the cluster moved to epoch 4 whose head is C.
     origin.tick(None, C, 4, 3)
@@ -55,9 +55,9 @@ def test_an_epoch_change_resumes_with_prompt_plus_generated_tokens() -> None:
     assert resumed.max_tokens == PARAMS.max_tokens - 2
     assert origin.resumed == 1
     # A late token from the dead epoch is not counted twice.
-    origin.on_tokens(InferTokens(B, "r1", 3, (99,), "z", False, "", ()), 4)
+    origin.on_tokens(InferTokens(B, "r1", 3, (99,), "z", False, "", (), 1, 2), 4)
     assert origin.take()[2] == []
-    origin.on_tokens(InferTokens(C, "r1", 4, (13,), "w", True, "stop", ()), 5)
+    origin.on_tokens(InferTokens(C, "r1", 4, (13,), "w", True, "stop", (), 2, 0), 5)
     _, _, client = origin.take()
     assert client[0].tokens == (13,) and client[0].done
 
@@ -67,15 +67,15 @@ def test_a_resumed_request_stops_at_the_original_length() -> None:
     origin.requested("r1", GenerateParams("p", (), 2, 0.0, 1.0, 0), 0)
     origin.tick(None, B, 1, 0)
     origin.take()
-    origin.on_tokens(InferTokens(B, "r1", 1, (5,), "", False, "", (7,)), 1)
-    origin.on_tokens(InferTokens(B, "r1", 1, (6,), "", False, "", ()), 2)
+    origin.on_tokens(InferTokens(B, "r1", 1, (5,), "", False, "", (7,), 1, 0), 1)
+    origin.on_tokens(InferTokens(B, "r1", 1, (6,), "", False, "", (), 1, 1), 2)
     _, _, client = origin.take()
     assert client[-1].done and client[-1].finish == "length"
 
 
 def test_a_head_that_moved_on_answers_stale_and_the_origin_waits_for_its_own_view() -> None:
     head = Router(B)
-    head.on_request(A, InferRequest(A, "r1", 3, "p", (), 4, 0.0, 1.0, 0), None)
+    head.on_request(A, InferRequest(A, "r1", 3, "p", (), 4, 0.0, 1.0, 0, 1), None)
     head.tick(None, C, 4, 0)  # epoch 4 is active here already, and B is not its head
     messages, submits, _ = head.take()
     assert submits == [] and isinstance(messages[0][1], InferTokens) and messages[0][1].text == STALE
@@ -121,12 +121,40 @@ def test_without_the_prompt_tokens_a_resume_replays_and_skips_what_the_client_ha
     origin.requested("r1", PARAMS, 0)
     origin.tick(None, B, 3, 0)
     origin.take()
-    origin.on_tokens(InferTokens(B, "r1", 3, (11,), "x", False, "", ()), 1)  # no prompt tokens reported
+    origin.on_tokens(InferTokens(B, "r1", 3, (11,), "x", False, "", (), 1, 0), 1)  # no prompt tokens reported
     origin.take()
     origin.tick(None, C, 4, 2)
     [(_, again)] = _requests(origin)
     assert again.prompt == "hello" and again.max_tokens == PARAMS.max_tokens
-    origin.on_tokens(InferTokens(C, "r1", 4, (11,), "x", False, "", ()), 3)  # the replayed first token
+    origin.on_tokens(InferTokens(C, "r1", 4, (11,), "x", False, "", (), 2, 0), 3)  # the replayed first token
     assert origin.take()[2] == []
-    origin.on_tokens(InferTokens(C, "r1", 4, (12,), "y", False, "", ()), 4)
+    origin.on_tokens(InferTokens(C, "r1", 4, (12,), "y", False, "", (), 2, 1), 4)
     assert [e.tokens for e in origin.take()[2]] == [(12,)]
+
+
+def test_a_lost_frame_is_detected_by_its_sequence_number_and_the_request_sent_again() -> None:
+    origin = Router(A)
+    origin.requested("r1", PARAMS, 0)
+    origin.tick(None, B, 3, 0)
+    origin.take()
+    origin.on_tokens(InferTokens(B, "r1", 3, (11,), "x", False, "", (1, 2), 1, 0), 1)
+    origin.on_tokens(InferTokens(B, "r1", 3, (13,), "z", False, "", (), 1, 2), 2)  # seq 1 never came
+    assert [e.tokens for e in origin.take()[2]] == [(11,)]
+    origin.tick(None, B, 3, 3)
+    [(dst, again)] = _requests(origin)
+    assert dst == B and again.attempt == 2 and again.prompt_tokens == (1, 2, 11)
+    # Late frames of the abandoned attempt are ignored; the new attempt streams from seq 0.
+    origin.on_tokens(InferTokens(B, "r1", 3, (12,), "y", False, "", (), 1, 1), 4)
+    origin.on_tokens(InferTokens(B, "r1", 3, (12,), "y", False, "", (), 2, 0), 5)
+    assert [e.tokens for e in origin.take()[2]] == [(12,)]
+
+
+def test_a_head_keeps_only_the_newest_attempt() -> None:
+    head = Router(B)
+    head.on_request(A, InferRequest(A, "r1", 3, "p", (), 4, 0.0, 1.0, 0, 2), None)
+    head.on_request(A, InferRequest(A, "r1", 3, "p", (), 4, 0.0, 1.0, 0, 1), None)  # a late copy
+    head.tick(None, B, 3, 0)
+    [submit] = head.take()[1]
+    assert submit.attempt == 2
+    head.worker_event(3, "r1", (5,), "", False, "", (), 1)  # output of the old attempt
+    assert head.take()[0] == []
