@@ -7,6 +7,10 @@
   p2pmesh ring [--state-dir DIR | --socket PATH] [--json]     (the committed ring, drawn)
   p2pmesh ring solve GRAPH.json [--json]                      (plan a cabling)
   p2pmesh leave  [--state-dir DIR | --socket PATH]
+  p2pmesh links [--json] | links parse|plan|apply ...
+  p2pmesh model set NAME [--context-tokens N] | model clear
+  p2pmesh generate PROMPT [--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--json]
+  p2pmesh plan solve SCENARIO.json [--json] [--strategy ours|memory-proportional]
   p2pmesh key show [--state-dir DIR]
   p2pmesh key set KEY [--state-dir DIR]
 
