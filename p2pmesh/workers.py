@@ -34,6 +34,11 @@ log = logging.getLogger("p2pmesh.workers")
 RECONCILE_S = 0.2
 HEARTBEAT_TIMEOUT_S = 10.0
 """A worker silent this long is hung (a worker sends one every 0.5 s, from a thread)."""
+PROGRESS_TIMEOUT_S = 120.0
+"""A head with a request that produced nothing for this long is hung inside MLX (a silent
+peer: its heartbeat thread still runs, so heartbeats alone cannot tell). Long, because a
+long prompt's prefill produces nothing for a while; a Mac that dies or sleeps is caught
+much sooner by failure detection, which moves the cluster to a new epoch."""
 STOP_GRACE_S = 3.0
 LINE_BYTES_MAX = 1 << 20
 EPOCH_PORT_STRIDE = 16
@@ -55,6 +60,10 @@ class _Worker:
     last_heartbeat: float
     ready: bool = False
     stdin_lock: trio.Lock = field(default_factory=trio.Lock)
+    pending: set[str] = field(default_factory=set)
+    """Requests handed to this (head) worker and not finished."""
+    progress: float = 0.0
+    """When it last produced output for a request (or was given one while idle)."""
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -99,8 +108,11 @@ class Supervisor:
             if epoch not in wanted:
                 del self.workers[epoch]
                 nursery.start_soon(self._stop, w)
-            elif trio.current_time() - w.last_heartbeat > HEARTBEAT_TIMEOUT_S:
-                log.warning("worker of epoch %d sent no heartbeat for %.0f s: stopping it", epoch, HEARTBEAT_TIMEOUT_S)
+            elif trio.current_time() - w.last_heartbeat > HEARTBEAT_TIMEOUT_S or (
+                w.pending and trio.current_time() - w.progress > PROGRESS_TIMEOUT_S
+            ):
+                log.warning("worker of epoch %d is hung (no heartbeat for %.0f s or no progress for %.0f s): stopping it",
+                            epoch, HEARTBEAT_TIMEOUT_S, PROGRESS_TIMEOUT_S)
                 del self.workers[epoch]
                 self.failed.add(epoch)
                 nursery.start_soon(self._stop, w)
@@ -188,6 +200,9 @@ class Supervisor:
         elif kind in ("token", "done", "error") and event.get("id") is not None:
             req, _, attempt = str(event["id"]).rpartition("@")
             done = kind != "token"
+            w.progress = trio.current_time()
+            if done:
+                w.pending.discard(str(event["id"]))
             tokens = (int(event["token"]),) if kind == "token" else ()
             finish = str(event.get("finish") or ("error" if kind == "error" else ""))
             text = str(event.get("text") or event.get("message") or "")
@@ -209,6 +224,9 @@ class Supervisor:
             "op": "generate", "id": f"{s.req}@{s.attempt}", "prompt": p.prompt, "prompt_tokens": list(p.prompt_tokens) or None,
             "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed,
         }).encode() + b"\n"
+        if not w.pending:
+            w.progress = trio.current_time()
+        w.pending.add(f"{s.req}@{s.attempt}")
         async with w.stdin_lock:
             try:
                 await w.process.stdin.send_all(line)
