@@ -23,7 +23,7 @@ import trio
 
 from p2pmesh.core import dataplane
 from p2pmesh.core.machine import WorkerCrashed, WorkerLoaded, WorkerOutput
-from p2pmesh.core.mlx_hostfile import MlxConfigError, ring_hostfile
+from p2pmesh.core.mlx_hostfile import MlxConfigError, jaccl_coordinator, jaccl_devices, ring_hostfile
 from p2pmesh.core.serving import WorkerSubmit
 
 if TYPE_CHECKING:
@@ -64,6 +64,34 @@ class _Worker:
     """Requests handed to this (head) worker and not finished."""
     progress: float = 0.0
     """When it last produced output for a request (or was given one while idle)."""
+
+
+@dataclass(frozen=True)
+class GroupLaunch:
+    """How a worker joins its epoch's group: the backend, environment, and files to write."""
+
+    backend: str
+    env: dict[str, str]
+    files: dict[str, str]
+    """name -> JSON content; written per epoch, their paths go into ``file_env[name]``."""
+    file_env: dict[str, str]
+
+
+def group_launch(want: dataplane.WantedWorker, hops: Any, base_port: int, members: Any) -> GroupLaunch:
+    """JACCL (RDMA) when every hop of the group is RDMA-capable (Thunderbolt 5 with RDMA
+    enabled on both ends), else MLX's ring backend over TCP. Raises MlxConfigError when the
+    hops lack what the backend needs (an address, an interface)."""
+    order = [s.node_id for s in want.stages]
+    env = {"MLX_RANK": str(want.rank)}
+    devices = jaccl_devices(order, hops)
+    if devices is not None:
+        rank0 = next((m for m in members if m.node_id == order[0]), None)
+        address = next((a.rsplit(":", 1)[0] for a in (rank0.addresses if rank0 else ()) if a.count(":") == 1), None)
+        env["MLX_JACCL_COORDINATOR"] = jaccl_coordinator(order, hops, base_port, rank0_address=address)
+        env["MLX_JACCL_RING"] = "1"  # our groups follow the ring: neighbours only
+        return GroupLaunch("jaccl", env, {"devices": json.dumps(devices)}, {"devices": "MLX_IBV_DEVICES"})
+    hostfile = ring_hostfile(order, hops, base_port)
+    return GroupLaunch("ring", env, {"hostfile": json.dumps(hostfile)}, {"hostfile": "MLX_HOSTFILE"})
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -127,21 +155,28 @@ class Supervisor:
         cfg_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         stages = [[s.start, s.end] for s in want.stages]
+        backend = "ring"
         if len(want.stages) >= 2:
-            order = [s.node_id for s in want.stages]
+            m = self.agent.machine
+            members = m.raft.state.members if m is not None and m.raft is not None else ()
             try:
-                hostfile = ring_hostfile(order, hops, epoch_base_port(self.base_port, want.epoch))
+                launch = group_launch(want, hops, epoch_base_port(self.base_port, want.epoch), members)
             except MlxConfigError as exc:
                 log.warning("cannot start the worker of epoch %d: %s", want.epoch, exc)
                 self.failed.add(want.epoch)
+                await self.agent.inbox_send.send(WorkerCrashed(want.epoch))
                 return
-            path = cfg_dir / f"hostfile-{want.epoch}.json"
-            path.write_text(json.dumps(hostfile), encoding="utf-8")
-            env.update(MLX_RANK=str(want.rank), MLX_HOSTFILE=str(path))
+            backend = launch.backend
+            for name, content in launch.files.items():
+                path = cfg_dir / f"{name}-{want.epoch}.json"
+                path.write_text(content, encoding="utf-8")
+                env[launch.file_env[name]] = str(path)
+            env.update(launch.env)
         model = want.model
         if self.model_root is not None and not os.path.isabs(model):
             model = str(self.model_root / model)
-        cmd = [sys.executable, "-m", "p2pmesh.worker.serve", "--model", model, "--stages", json.dumps(stages), "--rank", str(want.rank)]
+        cmd = [sys.executable, "-m", "p2pmesh.worker.serve", "--model", model, "--stages", json.dumps(stages),
+               "--rank", str(want.rank), "--backend", backend]
         log_file = open(cfg_dir / f"worker-{want.epoch}.log", "ab")  # noqa: SIM115 - owned by the process
         try:
             process = await trio.lowlevel.open_process(

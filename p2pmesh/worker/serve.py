@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="a local model directory or a Hugging Face id")
     parser.add_argument("--stages", required=True, help="JSON [[start, end], ...], one layer range per rank")
     parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--backend", choices=["ring", "jaccl"], default="ring",
+                        help="ring: TCP (MLX_HOSTFILE); jaccl: RDMA over Thunderbolt 5 (MLX_IBV_DEVICES, MLX_JACCL_COORDINATOR)")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="watchdog for group formation and loading")
     parser.add_argument("--prefill-chunk", type=int, default=None, help="max prompt tokens per pipeline step")
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
@@ -168,7 +170,7 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
     try:
         if size >= 2:
             # init() once per process: MLX caches the group for the life of the process.
-            link = Link(mx.distributed.init(backend="ring", strict=True))
+            link = Link(mx.distributed.init(backend=args.backend, strict=True))
         t0 = time.monotonic()
         shard = load_shard(path, start, end)
         load_s = time.monotonic() - t0

@@ -1,0 +1,54 @@
+"""How an epoch's worker joins its group (p2pmesh/workers.py group_launch): MLX's ring
+backend with a hostfile over TCP, or JACCL when every hop is RDMA-capable. JACCL itself
+cannot run here (no Thunderbolt 5 RDMA on Linux); what it is given is checked."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from p2pmesh.core.dataplane import WantedWorker
+from p2pmesh.core.ids import NodeId
+from p2pmesh.core.messages import Capabilities, Member, RingHop, Stage
+from p2pmesh.core.mlx_hostfile import MlxConfigError
+from p2pmesh.workers import epoch_base_port, group_launch
+
+A, B, C = NodeId("a" * 32), NodeId("b" * 32), NodeId("c" * 32)
+STAGES = (Stage(A, 0, 3), Stage(B, 3, 6), Stage(C, 6, 8))
+MEMBERS = tuple(Member(n, 1, True, True, (f"10.0.0.{i}:7741",), Capabilities(0, "")) for i, n in enumerate((A, B, C), 1))
+
+
+def _hops(rdma: bool, addresses: bool = True) -> tuple[RingHop, ...]:
+    ends = [(A, B, "en2", "en3", 1), (B, C, "en4", "en5", 2), (C, A, "en6", "en7", 3)]
+    return tuple(
+        RingHop(s, d, "thunderbolt", 80.0, None, si, di, f"169.254.{k}.1" if addresses else None,
+                f"169.254.{k}.2" if addresses else None, rdma)
+        for s, d, si, di, k in ends
+    )
+
+
+def test_tcp_ring_gets_a_hostfile_with_each_rank_on_its_left_cable() -> None:
+    launch = group_launch(WantedWorker(5, "m", STAGES, 1), _hops(False), 47080, MEMBERS)
+    assert launch.backend == "ring" and launch.env == {"MLX_RANK": "1"}
+    hostfile = json.loads(launch.files["hostfile"])
+    assert hostfile == [["169.254.3.2:47080"], ["169.254.1.2:47081"], ["169.254.2.2:47082"]]
+    assert launch.file_env == {"hostfile": "MLX_HOSTFILE"}
+
+
+def test_rdma_on_every_hop_gets_jaccl_devices_and_a_coordinator() -> None:
+    launch = group_launch(WantedWorker(5, "m", STAGES, 2), _hops(True), 47080, MEMBERS)
+    assert launch.backend == "jaccl" and launch.env["MLX_RANK"] == "2" and launch.env["MLX_JACCL_RING"] == "1"
+    assert launch.env["MLX_JACCL_COORDINATOR"] == "10.0.0.1:47080"  # rank 0's address every rank reaches
+    devices = json.loads(launch.files["devices"])
+    assert len(devices) == 3 and devices[0][0] is None and devices[0][1] == "rdma_en2"
+    assert launch.file_env == {"devices": "MLX_IBV_DEVICES"}
+
+
+def test_a_hop_without_addresses_cannot_start_a_tcp_group() -> None:
+    with pytest.raises(MlxConfigError):
+        group_launch(WantedWorker(5, "m", STAGES, 0), _hops(False, addresses=False), 47080, MEMBERS)
+
+
+def test_epochs_get_disjoint_port_ranges() -> None:
+    assert epoch_base_port(47000, 1) != epoch_base_port(47000, 2)
+    assert epoch_base_port(47000, 2) - epoch_base_port(47000, 1) >= 16
