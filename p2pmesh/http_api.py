@@ -328,17 +328,19 @@ class _Reply:
     """One response: JSON or server-sent events; remembers whether it has started, since an
     error after the first byte can only be reported inside the stream."""
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, unread: bool) -> None:
         self._send = send
         self.started = False
+        self.unread = unread
+        """The request has a body not read (yet): an error answer must close the connection."""
 
     async def json(self, status: int, obj: Any, headers: Iterable[tuple[str, str]] = (), *, close: bool = False) -> None:
         body = json.dumps(obj, ensure_ascii=False).encode()
         hs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         hs += [(k.encode(), v.encode()) for k, v in headers]
-        if close:
-            # The request body was not read: closing keeps the unread bytes from being parsed
-            # as the next request on this connection.
+        if close or self.unread:
+            # The request body was not (fully) read: closing keeps the unread bytes from being
+            # parsed as the next request on this connection.
             hs.append((b"connection", b"close"))
         self.started = True
         await self._send({"type": "http.response.start", "status": status, "headers": hs})
@@ -383,10 +385,9 @@ class HttpApi:
         if scope["type"] != "http":
             await send({"type": "websocket.close", "code": 1003})  # no websockets here
             return
-        reply = _Reply(send)
         method, path = scope["method"], scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        unread = method not in ("GET", "HEAD") and (headers.get("content-length", "0") != "0" or "transfer-encoding" in headers)
+        reply = _Reply(send, unread=headers.get("content-length", "0").strip() != "0" or "transfer-encoding" in headers)
         try:
             self._authenticate(headers)
             allowed = ROUTES.get(path)
@@ -410,11 +411,11 @@ class HttpApi:
             if reply.started:
                 log.warning("HTTP %s %s failed after the response started: %s", method, path, exc.message)
                 return
-            await reply.error(exc, close=unread or exc.status in (408, 413))
+            await reply.error(exc)
         except Exception:  # noqa: BLE001 - a bug here must not take the server down
             log.exception("HTTP %s %s failed", method, path)
             if not reply.started:
-                await reply.error(ApiError(500, "internal error in the agent's HTTP API (see the agent's log)"), close=unread)
+                await reply.error(ApiError(500, "internal error in the agent's HTTP API (see the agent's log)"))
 
     def _authenticate(self, headers: dict[str, str]) -> None:
         if self._token_digest is None:
@@ -432,22 +433,24 @@ class HttpApi:
         elif path == "/v1/cluster":
             await reply.json(200, self._cluster())
         else:
-            body = await self._read_json(headers, receive)
+            body = await self._read_json(headers, receive, reply)
             if body is None:
                 return  # the client went away while sending its request
             if path == "/v1/completions":
                 c = parse_completion(body)
-                prompt = await self._completion_prompt(c)
-                await self._generation(prompt, c.options, _Shape("text_completion"), receive, reply)
+                model = _serving_model(self.agent.status())
+                prompt = (Prompt(None, c.prompt_tokens, len(c.prompt_tokens)) if c.prompt is None
+                          else Prompt(c.prompt, (), await self.tokenizers.count(model, c.prompt)))
+                await self._generation(model, prompt, c.options, _Shape("text_completion"), receive, reply)
             else:
                 r = parse_chat(body)
-                model = _serving_model(self.agent.status())  # 503 before rendering a template
+                model = _serving_model(self.agent.status())  # 503 before loading a template
                 prompt = await self.tokenizers.chat_prompt(model, r.messages)
-                await self._generation(prompt, r.options, _Shape("chat.completion"), receive, reply)
+                await self._generation(model, prompt, r.options, _Shape("chat.completion"), receive, reply)
 
     # -- reading requests ------------------------------------------------------------
 
-    async def _read_json(self, headers: dict[str, str], receive: Receive) -> Any:
+    async def _read_json(self, headers: dict[str, str], receive: Receive, reply: _Reply) -> Any:
         limit = self.limits.max_body_bytes
         declared = headers.get("content-length")
         if declared is not None:
@@ -472,6 +475,7 @@ class HttpApi:
                     break
         if scope.cancelled_caught:
             raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s", code="timeout")
+        reply.unread = False
         raw = b"".join(chunks)
         if not raw.strip():
             raise _bad("the request needs a JSON object body")
@@ -482,12 +486,6 @@ class HttpApi:
         if not isinstance(body, dict):
             raise _bad("the body must be a JSON object")
         return body
-
-    async def _completion_prompt(self, c: CompletionRequest) -> Prompt:
-        if c.prompt is None:
-            return Prompt(None, c.prompt_tokens, len(c.prompt_tokens))
-        model = _serving_model(self.agent.status())
-        return Prompt(c.prompt, (), await self.tokenizers.count(model, c.prompt))
 
     # -- the cheap endpoints ------------------------------------------------------------
 
@@ -512,8 +510,8 @@ class HttpApi:
 
     # -- generation -------------------------------------------------------------------
 
-    async def _generation(self, prompt: Prompt, options: Options, shape: _Shape, receive: Receive, reply: _Reply) -> None:
-        model = _serving_model(self.agent.status())
+    async def _generation(self, model: str, prompt: Prompt, options: Options, shape: _Shape, receive: Receive,
+                          reply: _Reply) -> None:
         request: dict[str, Any] = {
             "prompt": prompt.text, "prompt_tokens": list(prompt.tokens) or None, "max_tokens": options.max_tokens,
             "temperature": options.temperature, "top_p": options.top_p, "seed": options.seed,
@@ -670,8 +668,6 @@ class _Run:
         problem = generation_error(event)
         if problem is not None:
             raise problem
-        if self.scanner.hit:
-            return "", "stop"
         self.completion_tokens += len(event.get("tokens") or ())
         text = self.scanner.feed(str(event.get("text") or ""))
         if self.scanner.hit:
@@ -732,7 +728,7 @@ def generation_error(event: dict[str, Any]) -> ApiError | None:
     if event.get("ok", True) and event.get("finish") != "error":
         return None
     message = str(event.get("error") or event.get("text") or "the generation failed")
-    if "finish" not in event:
+    if "finish" not in event and "fell too far behind" not in message:
         return ApiError(400, message)  # the agent refused the request's fields
     return classify_generation_error(message)
 
@@ -786,7 +782,7 @@ def _bool(body: dict[str, Any], key: str) -> bool:
     return v
 
 
-def _unsupported(body: dict[str, Any], chat: bool) -> None:
+def _unsupported(body: dict[str, Any]) -> None:
     """Refuse what would silently change the answer; ignore what cannot (user, metadata...)."""
     if body.get("n", 1) not in (1, None):
         raise _bad("n must be 1: one choice per request", "n")
@@ -805,11 +801,10 @@ def _unsupported(body: dict[str, Any], chat: bool) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model must be a string (the cluster serves one model; see GET /v1/models)", "model")
-    del chat
 
 
 def _options(body: dict[str, Any], default_max_tokens: int, chat: bool) -> Options:
-    _unsupported(body, chat)
+    _unsupported(body)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key, default_max_tokens, 1, MAX_TOKENS_CAP)
     temperature = _number(body, "temperature", 1.0, 0.0, TEMPERATURE_MAX)
@@ -900,6 +895,7 @@ def fallback_chat_prompt(messages: Iterable[ChatMessage]) -> str:
 class _Loaded:
     tokenizer: Any | None
     """transformers' tokenizer, or None when the model's tokenizer cannot be loaded here."""
+    loaded_at: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
     """A tokenizer is not safe to share between threads; calls on it go one at a time."""
 
@@ -913,6 +909,8 @@ class Tokenizers:
     slow to import and to load); two names at most, the cluster serves one model at a time."""
 
     CACHE_MAX = 2
+    RETRY_FAILED_S = 60.0
+    """A tokenizer that failed to load (offline, a partial download) is tried again after this."""
 
     def __init__(self, model_root: Path | None = None) -> None:
         self.model_root = model_root
@@ -921,12 +919,13 @@ class Tokenizers:
 
     async def get(self, name: str) -> _Loaded:
         async with self._lock:  # one load at a time; concurrent requests wait for it
-            loaded = self._cache.get(name)
-            if loaded is None:
+            loaded = self._cache.pop(name, None)
+            if loaded is None or loaded.tokenizer is None and trio.current_time() - loaded.loaded_at > self.RETRY_FAILED_S:
                 loaded = await trio.to_thread.run_sync(self._load, name)
-                while len(self._cache) >= self.CACHE_MAX:
-                    self._cache.pop(next(iter(self._cache)))
-                self._cache[name] = loaded
+                loaded.loaded_at = trio.current_time()
+            while len(self._cache) >= self.CACHE_MAX:
+                self._cache.pop(next(iter(self._cache)))  # the least recently used
+            self._cache[name] = loaded
             return loaded
 
     def _load(self, name: str) -> _Loaded:
