@@ -391,7 +391,7 @@ async def run_agent(config: AgentConfig) -> int:
                     if config.leave_on_exit and not agent.left.is_set():
                         log.info("leaving the cluster before exit")
                         agent.request_leave()
-                        with trio.move_on_after(config.settings.leave_timeout_ms / 1000 + 1):
+                        with trio.move_on_after((config.settings.leave_timeout_ms + config.settings.drain_timeout_ms) / 1000 + 1):
                             await agent.left.wait()
                     nursery.cancel_scope.cancel()
                     return

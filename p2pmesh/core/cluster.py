@@ -17,6 +17,7 @@ from p2pmesh.core.messages import (
     ActivatePlacement,
     AddLearner,
     ClusterState,
+    Drain,
     Command,
     Config,
     MarkDown,
@@ -94,13 +95,19 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
         ring = tuple(n for n in state.ring if n != cmd.node_id)
         hops = tuple(h for h in state.ring_hops if cmd.node_id not in (h.src, h.dst))
         ready = tuple(n for n in state.ready if n != cmd.node_id)
-        return replace(state, members=members, ring=ring, ring_hops=hops, ready=ready)
+        draining = tuple(n for n in state.draining if n != cmd.node_id)
+        return replace(state, members=members, ring=ring, ring_hops=hops, ready=ready, draining=draining)
     if isinstance(cmd, (Promote, MarkDown, MarkUp, UpdateMember, PublishPorts, PublishMeasure)):
         return replace(state, members=tuple(_update_member(m, cmd) for m in state.members))
     if isinstance(cmd, SetRing):
         if cmd.epoch <= state.ring_epoch:
             return state  # a stale proposal from an earlier leader
         return replace(state, ring_epoch=cmd.epoch, ring=cmd.order, ring_hops=cmd.hops)
+    if isinstance(cmd, Drain):
+        member = find_member(state, cmd.node_id)
+        if member is None or member.inc != cmd.inc or cmd.node_id in state.draining:
+            return state
+        return replace(state, draining=tuple(sorted((*state.draining, cmd.node_id))))
     if isinstance(cmd, (SetModel, SetPlacement, WorkerReady, ActivatePlacement, WorkerFailed)):
         return _apply_dataplane(state, cmd)
     if isinstance(cmd, Put):

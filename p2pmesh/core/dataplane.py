@@ -74,7 +74,8 @@ def _wanted_stages(state: ClusterState) -> tuple[Stage, ...] | None:
     nodes = [
         NodeSpec(n, by_id[n].measure.memory_bytes, by_id[n].measure.layer_ms)  # type: ignore[union-attr]
         for n in state.ring
-        if n in by_id and by_id[n].up and by_id[n].measure is not None and by_id[n].measure.model == model.name  # type: ignore[union-attr]
+        if n in by_id and by_id[n].up and n not in state.draining
+        and by_id[n].measure is not None and by_id[n].measure.model == model.name  # type: ignore[union-attr]
     ]
     if not nodes:
         return None  # nobody has measured the model yet

@@ -37,6 +37,7 @@ from p2pmesh.core.log import RaftLog
 from p2pmesh.core.messages import (
     AddLearner,
     Capabilities,
+    Drain,
     Command,
     Config,
     Entry,
@@ -478,6 +479,8 @@ class Machine:
             if not self.leaving:
                 self.leaving = True
                 self.leave_deadline_ms = now_ms + self.settings.leave_timeout_ms
+                if self._holds_layers():
+                    self.leave_deadline_ms += self.settings.drain_timeout_ms
             self._drive_leave(now_ms)
         self._after(now_ms)
         self._route(now_ms)
@@ -945,6 +948,12 @@ class Machine:
         if not still_member or (len(r.config.voters) <= 1 and not r.config.learners):
             self._finish_leave()
             return
+        if self._holds_layers() and now_ms < self.leave_deadline_ms - self.settings.leave_timeout_ms:
+            # Drain first: the cluster plans the model without us and switches to that
+            # epoch while we still serve; only then do we leave (make before break).
+            if self.node_id not in r.state.draining:
+                self._propose(Drain(self.node_id, self.inc), now_ms)
+            return
         if r.role is Role.LEADER:
             others = [p for p in r.config.voters if p != self.me]
             if others and r.transfer_to is None:
@@ -955,6 +964,13 @@ class Machine:
         elif r.leader is not None:
             cmd = RemoveMember(self.node_id, self.inc, "left")
             self.ready.messages.append((r.leader.node_id, ForwardProposal(r._hdr(r.leader), cmd)))
+
+    def _holds_layers(self) -> bool:
+        """Whether the serving or the pending placement gives this node model layers."""
+        r = self.raft
+        if r is None or self.mode is not Mode.MEMBER:
+            return False
+        return any(s.node_id == self.node_id for s in (*r.state.active, *r.state.placement))
 
     def _finish_leave(self) -> None:
         self.mode = Mode.LEFT

@@ -294,6 +294,15 @@ class ActivatePlacement:
     epoch: int
 
 
+@register(40)
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """A member is leaving: plan the model without it, then let it go (make before break)."""
+
+    node_id: NodeId
+    inc: int
+
+
 @register(23)
 @dataclass(frozen=True, slots=True)
 class WorkerFailed:
@@ -306,7 +315,7 @@ class WorkerFailed:
 
 Command = (
     Noop | AddLearner | Promote | RemoveMember | MarkDown | MarkUp | UpdateMember | SetRing | Put | PublishPorts
-    | SetModel | PublishMeasure | SetPlacement | WorkerReady | ActivatePlacement | WorkerFailed
+    | SetModel | PublishMeasure | SetPlacement | WorkerReady | ActivatePlacement | WorkerFailed | Drain
 )
 CONFIG_COMMANDS = (AddLearner, Promote, RemoveMember)
 
@@ -346,6 +355,8 @@ class ClusterState:
     """The newest data-plane epoch a member reported broken (WorkerFailed)."""
     restarts: int = 0
     """Consecutive restarts of the same stages (bounded: core/dataplane.py)."""
+    draining: tuple[NodeId, ...] = ()
+    """Members leaving gracefully: no new placement gives them layers."""
 
 
 @register(22)

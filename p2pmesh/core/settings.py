@@ -36,6 +36,9 @@ class Settings:
     continues as a standalone cluster of its own (see docs/architecture.md)."""
     leave_timeout_ms: int = 5_000
     """A graceful leave that no leader confirms within this time stops anyway."""
+    drain_timeout_ms: int = 60_000
+    """A leaving Mac that holds model layers waits at most this long for a placement
+    without it to take over (make before break) before it leaves anyway."""
     proposals_pending_max: int = 1_024
     reads_pending_max: int = 1_024
     peers_known_max: int = 256

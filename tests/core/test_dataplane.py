@@ -124,3 +124,27 @@ def test_a_worker_dying_on_a_live_mac_restarts_the_same_stages_as_a_new_epoch() 
             assert after.placement_epoch == broken + 1 and after.placement == current.placement
         else:  # a group that keeps failing is not restarted forever
             assert after.placement_epoch == broken
+
+
+def test_a_mac_leaving_gracefully_drains_first_make_before_break() -> None:
+    from p2pmesh.core.machine import LeaveRequested
+
+    d, ids = formed(3)
+    state = _serve(d, ids, memory=NEEDS_TWO * 2)  # any Mac can hold the whole model
+    for s in state.placement:
+        d.handle(s.node_id, WorkerLoaded(state.placement_epoch))
+    assert d.run_until(lambda: bool(_state(leader_of(d)).active), 5_000)
+    first = _state(leader_of(d))
+    leaving = first.active[0].node_id
+    d.handle(leaving, LeaveRequested())
+    # The cluster plans without it while it still serves; it is still a member meanwhile.
+    assert d.run_until(lambda: _state(leader_of(d)).placement_epoch > first.active_epoch, 5_000)
+    pending = _state(leader_of(d))
+    assert leaving in pending.draining and leaving not in {s.node_id for s in pending.placement}
+    assert any(m.node_id == leaving for m in pending.members) and pending.active == first.active
+    d.run(1_000)
+    assert any(m.node_id == leaving for m in _state(leader_of(d)).members)  # waits for the switch
+    for s in pending.placement:
+        d.handle(s.node_id, WorkerLoaded(pending.placement_epoch))
+    assert d.run_until(lambda: all(m.node_id != leaving for m in _state(leader_of(d)).members), 10_000)
+    assert _state(leader_of(d)).active_epoch == pending.placement_epoch
