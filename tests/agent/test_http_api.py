@@ -163,6 +163,12 @@ def served(tmp_path_factory: pytest.TempPathFactory, models: tuple[Path, Path]) 
         raise got
     s: Served = got
     try:
+        # A one-member cluster: the agent founds it and leads it; a model set before that
+        # would be proposed to nobody.
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while s.run_sync(s.agent.status)["role"] != "leader":
+            assert time.monotonic() < deadline, f"no one-member cluster within {SERVE_TIMEOUT_S} s"
+            time.sleep(0.05)
         answer = s.run(s.agent.set_model, {"name": str(model), "context_tokens": CONTEXT})
         assert answer["ok"], answer
         deadline = time.monotonic() + SERVE_TIMEOUT_S

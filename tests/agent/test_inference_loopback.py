@@ -238,3 +238,40 @@ def test_a_joining_mac_takes_the_layers_while_a_generation_runs(tmp_path: Path, 
         assert tokens == reference[:12]
     finally:
         _stop(agents)
+
+
+def test_a_stage_leaving_gracefully_hands_over_before_it_goes(tmp_path: Path, tiny_model: Path, reference: list[int]) -> None:
+    per_layer, extras = _layer_bytes(tiny_model)
+    agents = _agents(tmp_path, 3, [extras + per_layer * 4 + per_layer // 2] * 3)
+    try:
+        for a in agents:
+            a.start()
+        wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
+        _set_model(agents[0], tiny_model)
+        p = wait_for(lambda: _serving(agents[0], 2), SERVE_TIMEOUT_S, "a serving 2-stage placement")
+        ids = [a.status()["node_id"] for a in agents]  # type: ignore[index]
+        leaving = ids.index(p["stages"][-1]["node_id"])
+        stay = [a for i, a in enumerate(agents) if i != leaving]
+        left = subprocess.Popen([sys.executable, "-m", "p2pmesh", "leave", "--state-dir", str(agents[leaving].state_dir)],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            import time
+
+            start = time.monotonic()
+            done = 0
+            # Requests keep coming while the Mac drains: none may fail or differ.
+            while time.monotonic() - start < SERVE_TIMEOUT_S:
+                tokens, last = _generate(stay[0], 30)
+                assert last["finish"] == "length" and tokens == reference[:30], f"request {done} went wrong"
+                done += 1
+                s = stay[0].status() or {}
+                if all(m["node_id"] != ids[leaving] for m in s.get("members", [])):
+                    break
+            assert done >= 1
+        finally:
+            left.wait(timeout=120)
+        p = wait_for(lambda: _serving(stay[1], 2), SERVE_TIMEOUT_S, "serving without the Mac that left")
+        assert ids[leaving] not in [s["node_id"] for s in p["stages"]]
+        _check_stages(p)
+    finally:
+        _stop(agents)
