@@ -200,7 +200,8 @@ def _ask(args: argparse.Namespace) -> int:
 
     path = args.socket or args.state_dir / "agent.sock"
     try:
-        answer = request(path, "status" if args.command == "ring" else args.command)
+        extra = {"timeout_s": 90.0} if args.command == "leave" else {}
+        answer = request(path, "status" if args.command == "ring" else args.command, timeout_s=120.0, **extra)
     except ControlError as exc:
         print(f"p2pmesh: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE

@@ -25,12 +25,19 @@ import os
 import socket as stdsocket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Generator,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import trio
 
@@ -424,7 +431,7 @@ def _checked(answer: Any, op: str) -> dict[str, Any]:
         error = str(answer.get("error") or "no reason given")
         if op == "model":
             raise BadRequest(f"the agent refused the model: {error}")
-        if error.startswith("bad request") or error.startswith("unknown op"):
+        if error.startswith(("bad request", "unknown op")):
             raise AgentError(f"the agent does not understand {op!r} ({error}); are the client and the agent the same version?")
         raise AgentError(f"the agent refused {op}: {error}")
     return answer
@@ -581,7 +588,8 @@ def _diff(prev: Status, cur: Status) -> list[Event]:
     def ev(kind: EventKind, detail: str, **kw: Any) -> None:
         out.append(Event(kind, detail, status=cur, **kw))
 
-    if cur.cluster_id != prev.cluster_id and prev.cluster_id is not None and cur.cluster_id is not None:
+    moved = cur.cluster_id != prev.cluster_id and prev.cluster_id is not None and cur.cluster_id is not None
+    if moved:
         ev(EventKind.CLUSTER_CHANGED, f"this agent is now in cluster {cur.cluster_id} (was {prev.cluster_id})")
     before = {m.node_id: m for m in prev.members}
     after = {m.node_id: m for m in cur.members}
@@ -598,7 +606,9 @@ def _diff(prev: Status, cur: Status) -> list[Event]:
     if cur.leader != prev.leader:
         ev(EventKind.LEADER_CHANGED, f"the leader is now {cur.leader[:8]}" if cur.leader else "no leader (election under way)",
            node_id=cur.leader)
-    r0, r1 = prev.ring, cur.ring
+    # Another cluster numbers its ring and placement epochs from scratch: compare its
+    # epochs with nothing rather than with the old cluster's.
+    r0, r1 = (None if moved else prev.ring), cur.ring
     if r1 is not None and (r0 is None or r1.epoch != r0.epoch):
         order = " -> ".join(n[:8] for n in r1.order) or "empty"
         ev(EventKind.RING_CHANGED, f"ring epoch {r1.epoch}: {order}", epoch=r1.epoch)
@@ -607,6 +617,8 @@ def _diff(prev: Status, cur: Status) -> list[Event]:
         return out
     if p0 is not None and p1.model != p0.model:
         ev(EventKind.MODEL_CHANGED, f"the cluster's model is now {p1.model}" if p1.model else "the cluster serves no model")
+    if moved:
+        p0 = None
     seen = _newest_epoch(p0)
     pending0 = p0.pending if p0 is not None else None
     if p1.pending is not None:
@@ -683,7 +695,7 @@ def _model_directory(name: str, model_root: Path | None) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(repo_id=name, allow_patterns=["*.json", "*.jinja", "tokenizer*", "*.model", "*.txt"]))
-    except Exception as exc:  # offline, unknown id, no permission
+    except Exception as exc:  # noqa: BLE001 - offline, unknown id, no permission: all reported the same way
         raise P2PMeshError(f"chat needs the tokenizer of {name} and cannot fetch it from Hugging Face ({exc}); "
                            "render the prompt yourself and call generate()") from None
 
@@ -721,7 +733,7 @@ def _chat_prompt(name: str, messages: tuple[dict[str, Any], ...], model_root: Pa
     tok = _tokenizer(directory)
     try:
         text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # the template rejected the messages (roles, order): the caller's to fix
+    except Exception as exc:  # noqa: BLE001 - a template raises what it likes; it means the messages do not fit it
         raise BadRequest(f"the chat template of {name} refused the messages: {exc}") from None
     # Templates write the BOS token themselves: tokenize without adding special tokens and
     # send ids, so the worker does not add a second BOS as it would for a text prompt.
@@ -865,7 +877,7 @@ class AsyncClient:
     def __repr__(self) -> str:
         return f"AsyncClient({str(self.socket_path)!r})"
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         await self.status()  # fail here, with the fix, when no agent answers
         return self
 
@@ -967,7 +979,7 @@ class AsyncClient:
         finally:
             plan.close()
 
-    async def leave(self, *, timeout: float = 10.0) -> bool:
+    async def leave(self, *, timeout: float = 90.0) -> bool:
         """Leave the cluster gracefully; the agent then exits. True once the cluster confirmed."""
         answer = await self._run(_p_leave(timeout))
         return answer
@@ -999,7 +1011,7 @@ class AsyncGeneration:
     def __aiter__(self) -> AsyncGeneration:
         return self
 
-    async def __aenter__(self) -> AsyncGeneration:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -1105,7 +1117,7 @@ class Client:
     def __repr__(self) -> str:
         return f"Client({str(self.socket_path)!r})"
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -1195,7 +1207,7 @@ class Client:
         finally:
             plan.close()
 
-    def leave(self, *, timeout: float = 10.0) -> bool:
+    def leave(self, *, timeout: float = 90.0) -> bool:
         return self._run(_p_leave(timeout))
 
 
@@ -1217,7 +1229,7 @@ class Generation:
     def __iter__(self) -> Generation:
         return self
 
-    def __enter__(self) -> Generation:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -1329,7 +1341,7 @@ class Agent:
         """An async client of this agent (no need to enter it)."""
         return AsyncClient(self.socket_path, quorum_timeout=quorum_timeout, _model_root=self.config.model_root)
 
-    async def __aenter__(self) -> Agent:
+    async def __aenter__(self) -> Self:
         from p2pmesh.agent import Agent as CoreAgent
 
         if self._stack is not None:
@@ -1337,10 +1349,10 @@ class Agent:
         agent = CoreAgent(self.config)  # opens the state directory: StateCorrupted surfaces here
         stack = contextlib.AsyncExitStack()
         stack.callback(agent.storage.close)  # last, once the nursery has stopped every task
+        self._stack, self._agent = stack, agent
         try:
-            nursery = await stack.enter_async_context(trio.open_nursery())
-            self._stack, self._nursery, self._agent = stack, nursery, agent
-            await nursery.start(agent.run)
+            self._nursery = await stack.enter_async_context(trio.open_nursery())
+            await self._nursery.start(agent.run)
         except BaseException as exc:
             await self.__aexit__(type(exc), exc, exc.__traceback__)
             raise
@@ -1371,8 +1383,31 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 
 __all__ = [
-    "AgentNotRunning", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "P2PMeshError",
-    "Port", "Member", "Hop", "Ring", "StageInfo", "PendingPlacement", "Placement", "Status", "LoadProgress", "LoadedModel",
-    "GenerationResult", "EventKind", "Event", "AsyncClient", "AsyncGeneration", "Client", "Generation", "open_client",
-    "connect", "Agent", "fallback_chat_prompt",
+    "Agent",
+    "AgentError",
+    "AgentNotRunning",
+    "AsyncClient",
+    "AsyncGeneration",
+    "BadRequest",
+    "Client",
+    "Event",
+    "EventKind",
+    "Generation",
+    "GenerationResult",
+    "Hop",
+    "LoadProgress",
+    "LoadedModel",
+    "Member",
+    "ModelNotLoaded",
+    "NoQuorum",
+    "P2PMeshError",
+    "PendingPlacement",
+    "Placement",
+    "Port",
+    "Ring",
+    "StageInfo",
+    "Status",
+    "connect",
+    "fallback_chat_prompt",
+    "open_client",
 ]

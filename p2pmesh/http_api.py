@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import trio
 
 from p2pmesh.core.errors import MeshError
+from p2pmesh.worker.protocol import MAX_PROMPT_TOKENS, MAX_TOKENS_CAP  # no MLX in there
 
 log = logging.getLogger("p2pmesh.http")
 
@@ -46,9 +47,6 @@ TOKEN_ENV = "P2PMESH_HTTP_TOKEN"
 TOKEN_CHARS_MIN = 16
 TOKEN_CHARS_MAX = 4096
 
-MAX_TOKENS_CAP = 8192
-"""The worker's own cap (p2pmesh.worker.protocol.MAX_TOKENS_CAP): refuse above it here, with a
-clear 400, instead of letting the head refuse it later."""
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions."""
 DEFAULT_CHAT_MAX_TOKENS = 1024
@@ -58,8 +56,7 @@ TEMPERATURE_MAX = 10.0
 STOP_SEQUENCES_MAX = 4
 STOP_CHARS_MAX = 256
 MESSAGES_MAX = 4096
-PROMPT_TOKENS_MAX = 32768
-"""The worker's prompt limit (MAX_PROMPT_TOKENS)."""
+PROMPT_TOKENS_MAX = MAX_PROMPT_TOKENS
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -87,7 +84,7 @@ class HttpEndpoint:
 
     host: str
     port: int
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # never in a log line
 
 
 class HttpConfigError(MeshError, ValueError):
@@ -182,7 +179,9 @@ def parse_address(address: str) -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise HttpConfigError(f"--http must look like HOST:PORT (e.g. {DEFAULT_HTTP_ADDRESS} or [::1]:{DEFAULT_HTTP_PORT}), got {address!r}")
+        raise HttpConfigError(
+            f"--http must look like HOST:PORT (e.g. {DEFAULT_HTTP_ADDRESS} or [::1]:{DEFAULT_HTTP_PORT}), got {address!r}"
+        )
     return host, int(port)
 
 
@@ -267,7 +266,9 @@ async def serve_http(
     config = Config()
     config.bind = [f"fd://{fd}"]
     config.accesslog = None
-    config.errorlog = log
+    server_log = logging.getLogger("p2pmesh.http.server")
+    server_log.setLevel(logging.WARNING)  # hypercorn's own "Running on ..." would repeat our line
+    config.errorlog = server_log
     config.include_server_header = False
     config.graceful_timeout = 2.0
     app = HttpApi(agent, token=token, limits=limits, model_root=getattr(getattr(agent, "config", None), "model_root", None))
@@ -412,7 +413,7 @@ class HttpApi:
                 log.warning("HTTP %s %s failed after the response started: %s", method, path, exc.message)
                 return
             await reply.error(exc)
-        except Exception:  # noqa: BLE001 - a bug here must not take the server down
+        except Exception:  # a bug here must not take the server down
             log.exception("HTTP %s %s failed", method, path)
             if not reply.started:
                 await reply.error(ApiError(500, "internal error in the agent's HTTP API (see the agent's log)"))
@@ -806,6 +807,7 @@ def _unsupported(body: dict[str, Any]) -> None:
 def _options(body: dict[str, Any], default_max_tokens: int, chat: bool) -> Options:
     _unsupported(body)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    # The worker's own cap: refused here with a 400 naming the field, not later by the head.
     max_tokens = _int(body, key, default_max_tokens, 1, MAX_TOKENS_CAP)
     temperature = _number(body, "temperature", 1.0, 0.0, TEMPERATURE_MAX)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_low=True)

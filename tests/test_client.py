@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def _healthy(address: Path) -> bool:
 
 
 def _cli(*args: str, timeout: float = 60) -> str:
-    r = subprocess.run([sys.executable, "-m", "p2pmesh", *args], cwd=ROOT, capture_output=True, timeout=timeout)
+    r = subprocess.run([sys.executable, "-m", "p2pmesh", *args], cwd=ROOT, capture_output=True, timeout=timeout, check=False)
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     return r.stdout.decode("utf-8")
 
@@ -207,6 +208,44 @@ def test_a_models_chat_template_is_rendered_by_its_tokenizer(tmp_path: Path, tin
     assert fields["prompt_tokens"] == tok.encode(expected, add_special_tokens=False)
     assert fields["prompt_tokens"].count(tok.bos_token_id) == 1  # the template's BOS, not a second one
     assert tok.decode(fields["prompt_tokens"]) == expected
+
+
+def test_watch_reports_each_change_between_two_statuses() -> None:
+    """The diff behind watch(), on statuses too slow or rare to stage with real agents."""
+    from p2pmesh.client import _diff
+
+    def status(cluster: str, leader: str | None, members: dict[str, bool], ring: int, placement: p2pmesh.Placement) -> p2pmesh.Status:
+        return p2pmesh.Status("a" * 32, 1, cluster, "follower", 3, leader, 9, 9, leader is not None,
+                              tuple(p2pmesh.Member(n, True, up) for n, up in members.items()),
+                              p2pmesh.Ring(ring, tuple(members), ()), placement)
+
+    stage = p2pmesh.StageInfo
+    serving = p2pmesh.Placement(1, "m", (stage("a" * 32, 0, 6),), True)
+    pending = dataclasses.replace(serving, pending=p2pmesh.PendingPlacement(2, (stage("a" * 32, 0, 3), stage("b" * 32, 3, 6)), ()))
+    half = dataclasses.replace(serving, pending=dataclasses.replace(pending.pending, ready=("b" * 32,)))  # type: ignore[arg-type]
+    moved = p2pmesh.Placement(2, "m", pending.pending.stages, True)  # type: ignore[union-attr]
+    s0 = status("c1", "a" * 32, {"a" * 32: True, "b" * 32: True}, 1, serving)
+
+    def kinds(prev: p2pmesh.Status, cur: p2pmesh.Status) -> list[tuple[str, object]]:
+        return [(e.kind.value, e.node_id or e.epoch or e.ready) for e in _diff(prev, cur)]
+
+    assert kinds(s0, s0) == []
+    s1 = status("c1", "b" * 32, {"a" * 32: True, "b" * 32: False, "c" * 32: True}, 2, pending)
+    assert kinds(s0, s1) == [("member_down", "b" * 32), ("member_joined", "c" * 32), ("leader_changed", "b" * 32),
+                             ("ring_changed", 2), ("plan_committed", 2)]
+    s2 = status("c1", "b" * 32, {"a" * 32: True, "b" * 32: True}, 2, half)
+    assert kinds(s1, s2) == [("member_up", "b" * 32), ("member_left", "c" * 32), ("rebalance_progress", 2)]
+    assert [(e.ready, e.stages) for e in _diff(s1, s2)][-1] == (1, 2)
+    s3 = status("c1", None, {"a" * 32: True, "b" * 32: True}, 2, moved)
+    assert kinds(s2, s3) == [("leader_changed", None), ("plan_activated", 2)]
+    assert kinds(s0, s3) == [("leader_changed", None), ("ring_changed", 2), ("plan_committed", 2), ("plan_activated", 2)]
+    # Standalone in a new cluster, which numbers its epochs from scratch and has no model.
+    s4 = status("c2", "a" * 32, {"a" * 32: True}, 1, p2pmesh.Placement(0, None, (), False))
+    assert kinds(s3, s4) == [("cluster_changed", None), ("member_left", "b" * 32), ("leader_changed", "a" * 32),
+                             ("ring_changed", 1), ("model_changed", None)]
+    s5 = status("c2", "a" * 32, {"a" * 32: True}, 1, p2pmesh.Placement(1, "m", (stage("a" * 32, 0, 6),), True))
+    assert kinds(s4, s5) == [("model_changed", None), ("plan_committed", 1), ("plan_activated", 1)]
+    assert all(e.status is s5 for e in _diff(s4, s5))
 
 
 # ------------------------------------------------------------------------------------------
@@ -338,17 +377,18 @@ async def test_watch_sees_a_member_join_and_leave_and_the_ring_change(cluster: C
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(start_second)
-            async for event in client.watch(interval=0.1):
-                assert isinstance(event, p2pmesh.Event) and event.status is not None
-                seen.append(event)
-                kinds = {e.kind for e in seen}
-                if event.kind is EventKind.MEMBER_JOINED:
-                    joined = event.node_id
-                if joined and EventKind.RING_CHANGED in kinds and not left_confirmed:
-                    assert (await second.status()).node_id == joined
-                    left_confirmed = await second.leave()
-                if any(e.kind is EventKind.MEMBER_LEFT and e.node_id == joined for e in seen):
-                    break
+            async with aclosing(client.watch(interval=0.1)) as events:
+                async for event in events:
+                    assert isinstance(event, p2pmesh.Event) and event.status is not None
+                    seen.append(event)
+                    kinds = {e.kind for e in seen}
+                    if event.kind is EventKind.MEMBER_JOINED:
+                        joined = event.node_id
+                    if joined and EventKind.RING_CHANGED in kinds and not left_confirmed:
+                        assert (await second.status()).node_id == joined
+                        left_confirmed = await second.leave()
+                    if any(e.kind is EventKind.MEMBER_LEFT and e.node_id == joined for e in seen):
+                        break
     assert left_confirmed
     ring_events = [e for e in seen if e.kind is EventKind.RING_CHANGED]
     assert ring_events and ring_events[0].epoch is not None and ring_events[0].epoch > ring_before

@@ -16,6 +16,7 @@ import trio
 
 REQUEST_BYTES_MAX = 64 * 1024
 REQUEST_TIMEOUT_S = 10.0
+MODEL_TIMEOUT_S = 6 * 3600.0
 CLIENTS_CONCURRENT_MAX = 32
 STREAM_IDLE_TIMEOUT_S = 300.0
 """A streaming request fails when nothing happens for this long (no token, no end)."""
@@ -73,16 +74,35 @@ async def _handle(stream: trio.SocketStream, agent: _Agent, limiter: trio.Capaci
                     if not chunk or len(buf) + len(chunk) > REQUEST_BYTES_MAX:
                         return
                     buf += chunk
-                line = buf.split(b"\n", 1)[0]
-                if _op_of(line) != "generate":
-                    response = await _dispatch(line, agent)
-                    await stream.send_all(json.dumps(response).encode() + b"\n")
-                    return
-            await _stream(stream, json.loads(line), agent)
+            line = buf.split(b"\n", 1)[0]
+            op = _op_of(line)
+            if op == "generate":
+                await _stream(stream, json.loads(line), agent)
+                return
+            # Loading a model may first download it: that op gets hours; a leave waits as long
+            # as its caller asked (a Mac holding layers drains first); the others seconds.
+            with trio.fail_after(_bound(op, line)):
+                response = await _dispatch(line, agent)
+                await stream.send_all(json.dumps(response).encode() + b"\n")
         except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
             return
         finally:
             agent.control_active -= 1
+
+
+LEAVE_TIMEOUT_MAX_S = 600.0
+
+
+def _bound(op: str | None, line: bytes) -> float:
+    if op == "model":
+        return MODEL_TIMEOUT_S
+    if op == "leave":
+        try:
+            asked = float(json.loads(line).get("timeout_s", REQUEST_TIMEOUT_S))
+        except (ValueError, TypeError, AttributeError):
+            asked = REQUEST_TIMEOUT_S
+        return min(LEAVE_TIMEOUT_MAX_S, max(REQUEST_TIMEOUT_S, asked + 5.0))
+    return REQUEST_TIMEOUT_S
 
 
 def _op_of(line: bytes) -> str | None:
@@ -122,7 +142,7 @@ async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:
         return await agent.set_model(request)
     if op == "leave":
         agent.request_leave()
-        with trio.move_on_after(float(request.get("timeout_s", 10))):
+        with trio.move_on_after(min(LEAVE_TIMEOUT_MAX_S, float(request.get("timeout_s", 10)))):
             await agent.left.wait()
         return {"ok": True, "left": agent.left.is_set()}
     return {"ok": False, "error": f"unknown op {op!r}"}

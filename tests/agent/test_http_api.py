@@ -51,6 +51,7 @@ from tests.agent.harness import ROOT, free_port
 
 TOKEN = "test-token-0123456789abcdef"
 PROMPT = "the quick brown fox"
+LONG_PROMPT = "lorem ipsum dolor sit amet"
 CONTEXT = 512
 SERVE_TIMEOUT_S = 60
 WAIT_S = 10
@@ -163,10 +164,10 @@ def served(tmp_path_factory: pytest.TempPathFactory, models: tuple[Path, Path]) 
         raise got
     s: Served = got
     try:
-        # A one-member cluster: the agent founds it and leads it; a model set before that
-        # would be proposed to nobody.
+        # A one-member cluster: the agent founds it and leads it (role "standalone"); a model
+        # set before that would be proposed to nobody.
         deadline = time.monotonic() + SERVE_TIMEOUT_S
-        while s.run_sync(s.agent.status)["role"] != "leader":
+        while not _leads(s.run_sync(s.agent.status)):
             assert time.monotonic() < deadline, f"no one-member cluster within {SERVE_TIMEOUT_S} s"
             time.sleep(0.05)
         answer = s.run(s.agent.set_model, {"name": str(model), "context_tokens": CONTEXT})
@@ -180,6 +181,10 @@ def served(tmp_path_factory: pytest.TempPathFactory, models: tuple[Path, Path]) 
         s.run_sync(s.stop)
         thread.join(timeout=30)
         assert not thread.is_alive(), "the agent did not stop"
+
+
+def _leads(status: dict[str, Any]) -> bool:
+    return bool(status["healthy"]) and status["leader"] == status["node_id"]
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +234,7 @@ def test_models_lists_the_served_model(served: Served) -> None:
 
 
 def test_greedy_completion_equals_the_agents_generate(served: Served, reference: tuple[str, list[int]]) -> None:
-    text, tokens = reference
+    text, _ = reference
     r = served.client().completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0)
     assert r.choices[0].text == text
     assert r.choices[0].finish_reason == "length"
@@ -249,6 +254,16 @@ def test_streamed_completion_equals_the_same_text(served: Served, reference: tup
     assert len([p for p in pieces if p]) > 1  # really streamed, not one blob
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+
+
+def test_the_async_client_under_trio(served: Served, reference: tuple[str, list[int]]) -> None:
+    async def main() -> tuple[str, str]:
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+        r = await client.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0)
+        stream = await client.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+        return r.choices[0].text, "".join([c.choices[0].text async for c in stream])
+
+    assert trio.run(main) == (reference[0], reference[0])
 
 
 def test_a_stop_sequence_cuts_the_text_streamed_or_not(served: Served, reference: tuple[str, list[int]]) -> None:
@@ -304,14 +319,15 @@ def test_cluster_and_health(served: Served) -> None:
     assert "ring" in cluster and "state_dir" not in cluster and "pid" not in cluster
     status, _, health = _request(served.url, "GET", "/health")
     assert status == 200
-    assert health == {"ok": True, "node_id": me["node_id"], "role": "leader", "healthy": True, "serving": True}
+    assert health == {"ok": True, "node_id": me["node_id"], "role": me["role"], "healthy": True, "serving": True}
     # On loopback without a token configured, nothing is asked for.
     status, _, health = _request(served.open_url, "GET", "/health", token=None)
     assert status == 200 and health["ok"] is True
 
 
 def test_a_client_hanging_up_mid_stream_closes_the_generation(served: Served, reference: tuple[str, list[int]]) -> None:
-    stream = served.client().completions.create(model="any", prompt=PROMPT, max_tokens=400, temperature=0, stream=True)
+    # This prompt runs to max_tokens on the test model (no end-of-sequence token in 1000).
+    stream = served.client().completions.create(model="any", prompt=LONG_PROMPT, max_tokens=400, temperature=0, stream=True)
     it = iter(stream)
     got = [next(it).choices[0].text for _ in range(3)]
     assert len(got) == 3
@@ -319,7 +335,10 @@ def test_a_client_hanging_up_mid_stream_closes_the_generation(served: Served, re
     deadline = time.monotonic() + WAIT_S
     while served.run_sync(lambda: len(served.agent.clients)):
         assert time.monotonic() < deadline, "the agent still streams to a client that hung up"
-        time.sleep(0.05)
+        time.sleep(0.01)
+    # Let go while the cluster was still generating (400 tokens take about a second here):
+    # the iterator was closed, not run to its end.
+    assert served.run_sync(lambda: len(served.agent.machine.router.origins)) == 1
     # The agent serves on as before.
     r = served.client().completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0)
     assert r.choices[0].text == reference[0]
@@ -381,7 +400,7 @@ def test_malformed_and_invalid_bodies_say_what_is_wrong(served: Served) -> None:
 
 
 def test_a_prompt_the_model_cannot_take_is_a_400_from_the_head(served: Served) -> None:
-    with pytest.raises(openai.BadRequestError, match="tokens"):
+    with pytest.raises(openai.BadRequestError, match=r"the prompt has \d+ tokens"):
         served.client().completions.create(model="any", prompt=PROMPT * 2000, max_tokens=4, temperature=0)
 
 
