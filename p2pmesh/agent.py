@@ -20,13 +20,14 @@ import random
 import signal
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
 
-from p2pmesh import link_tasks, models
+from p2pmesh import http_api, link_tasks, models
 from p2pmesh.core import validate, wire
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.machine import (
@@ -90,6 +91,8 @@ class AgentConfig:
     """Where relative model names are looked up (tests and the demo; default: as given)."""
     memory_limit_bytes: int | None = None
     """Offer at most this much memory to the cluster (a Mac someone also works on)."""
+    http: http_api.HttpEndpoint | None = None
+    """Where to serve the OpenAI-compatible HTTP API (docs/http.md); None: not served."""
 
     @property
     def socket_path(self) -> Path:
@@ -174,6 +177,8 @@ class Agent:
                 caps=caps,
             )
             await nursery.start(control.serve, cfg.socket_path, self)
+            if cfg.http is not None:
+                await nursery.start(partial(http_api.serve_http, self, cfg.http.host, cfg.http.port, token=cfg.http.token))
             nursery.start_soon(link_tasks.watch_ports, self)
             nursery.start_soon(link_tasks.probes, self, bound_port + link_tasks.PROBE_PORT_OFFSET)
             nursery.start_soon(link_tasks.warn_bridges, self)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--memory-limit", type=int, default=None, metavar="BYTES",
                        help="offer at most this much memory for model layers (default: what the Mac allows)")
     agent.add_argument("--data-port", type=int, default=47000, help="first port of the data-plane workers")
+    agent.add_argument("--http", default="127.0.0.1:7780", metavar="HOST:PORT",
+                       help="serve the OpenAI-compatible HTTP API here (default %(default)s; docs/http.md)")
+    agent.add_argument("--http-token", default=None, metavar="TOKEN",
+                       help="require this bearer token on every HTTP request (default: $P2PMESH_HTTP_TOKEN); "
+                            "needed for a non-loopback --http")
+    agent.add_argument("--no-http", action="store_true", help="do not serve the HTTP API")
     agent.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     agent.add_argument("--log-format", default="text", choices=["text", "json"])
 
@@ -168,7 +175,14 @@ def _agent(args: argparse.Namespace) -> int:
     from p2pmesh.core.errors import StateCorrupted
     from p2pmesh.drivers.keys import KeyError_
 
+    from p2pmesh import http_api
+
     configure_logging(args.log_level, args.log_format)
+    try:
+        http = None if args.no_http else http_api.endpoint(args.http, args.http_token or os.environ.get(http_api.TOKEN_ENV))
+    except http_api.HttpConfigError as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     config = AgentConfig(
         state_dir=args.state_dir,
         listen=tuple(args.listen) or ("0.0.0.0:7741",),
@@ -181,6 +195,7 @@ def _agent(args: argparse.Namespace) -> int:
         configure_links=args.configure_links,
         memory_limit_bytes=args.memory_limit,
         data_port_base=args.data_port,
+        http=http,
     )
     try:
         return trio.run(run_agent, config)
@@ -192,6 +207,12 @@ def _agent(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except OSError as exc:
         print(f"p2pmesh: cannot start the agent: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except BaseExceptionGroup as group:  # a failure inside the agent's nurseries
+        found = http_api.find_config_error(group)
+        if found is None:
+            raise
+        print(f"p2pmesh: {found}", file=sys.stderr)
         return EXIT_UNAVAILABLE
 
 

@@ -37,6 +37,8 @@ class AgentProc:
 
     def start(self) -> None:
         cmd = [*self.prefix, sys.executable, "-m", "p2pmesh", "agent", "--state-dir", str(self.state_dir), *self.extra]
+        if "--http" not in self.extra:
+            cmd.append("--no-http")  # several agents on one host would all want the default port
         for address in [self.listen, *self.listens] if self.listen else self.listens:
             cmd += ["--listen", address]
         for p in self.peers:
