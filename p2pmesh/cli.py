@@ -221,8 +221,7 @@ def _ask(args: argparse.Namespace) -> int:
 
     path = args.socket or args.state_dir / "agent.sock"
     try:
-        extra = {"timeout_s": 90.0} if args.command == "leave" else {}
-        answer = request(path, "status" if args.command == "ring" else args.command, timeout_s=120.0, **extra)
+        answer = request(path, "status" if args.command == "ring" else args.command, timeout_s=120.0)
     except ControlError as exc:
         print(f"p2pmesh: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE

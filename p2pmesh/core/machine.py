@@ -945,6 +945,11 @@ class Machine:
             self._finish_leave()
             return
         still_member = any(p.node_id == self.node_id for p in (*r.config.voters, *r.config.learners))
+        if not still_member and self.joining is not None:
+            # Still joining: the leader may already have added us without our knowing yet.
+            # Leaving silently would leave a member behind that is down until removed minutes
+            # later; wait for the log (or the deadline) and then leave properly.
+            return
         if not still_member or (len(r.config.voters) <= 1 and not r.config.learners):
             self._finish_leave()
             return

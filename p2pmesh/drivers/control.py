@@ -91,6 +91,9 @@ async def _handle(stream: trio.SocketStream, agent: _Agent, limiter: trio.Capaci
 
 
 LEAVE_TIMEOUT_MAX_S = 600.0
+LEAVE_WAIT_DEFAULT_S = 90.0
+"""How long a leave waits for the cluster's confirmation by default: a Mac holding layers
+first drains (a new placement loads without it), which takes more than a few seconds."""
 
 
 def _bound(op: str | None, line: bytes) -> float:
@@ -98,7 +101,7 @@ def _bound(op: str | None, line: bytes) -> float:
         return MODEL_TIMEOUT_S
     if op == "leave":
         try:
-            asked = float(json.loads(line).get("timeout_s", REQUEST_TIMEOUT_S))
+            asked = float(json.loads(line).get("timeout_s", LEAVE_WAIT_DEFAULT_S))
         except (ValueError, TypeError, AttributeError):
             asked = REQUEST_TIMEOUT_S
         return min(LEAVE_TIMEOUT_MAX_S, max(REQUEST_TIMEOUT_S, asked + 5.0))
@@ -142,7 +145,7 @@ async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:
         return await agent.set_model(request)
     if op == "leave":
         agent.request_leave()
-        with trio.move_on_after(min(LEAVE_TIMEOUT_MAX_S, float(request.get("timeout_s", 10)))):
+        with trio.move_on_after(min(LEAVE_TIMEOUT_MAX_S, float(request.get("timeout_s", LEAVE_WAIT_DEFAULT_S)))):
             await agent.left.wait()
         return {"ok": True, "left": agent.left.is_set()}
     return {"ok": False, "error": f"unknown op {op!r}"}

@@ -629,3 +629,4 @@ def test_messages_are_typed_values() -> None:
             for _, msg in ready.messages:
                 m: Message = msg
                 assert type(m) in wire._tag_of
+
