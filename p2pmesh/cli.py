@@ -10,6 +10,7 @@
   p2pmesh links [--json] | links parse|plan|apply ...
   p2pmesh model set NAME [--context-tokens N] | model clear
   p2pmesh generate PROMPT [--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--json]
+  p2pmesh local --nodes N [--model PATH] [--json]            (N agents on this computer)
   p2pmesh plan solve SCENARIO.json [--json] [--strategy ours|memory-proportional]
   p2pmesh key show [--state-dir DIR]
   p2pmesh key set KEY [--state-dir DIR]
@@ -82,10 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     solve.add_argument("graph", type=Path, help="GRAPH.json: {\"nodes\": [...], \"links\": [...]}")
     solve.add_argument("--json", action="store_true")
 
-    from p2pmesh import links_cmd, plan_cmd
+    from p2pmesh import links_cmd, local_cmd, plan_cmd
 
     links_cmd.add_parser(sub)
     plan_cmd.add_parser(sub)
+    local_cmd.add_parser(sub)
 
     model = sub.add_parser("model", help="choose the model the cluster serves")
     model_sub = model.add_subparsers(dest="model_command", required=True)
@@ -133,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         return _model(args)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "local":
+        from p2pmesh import local_cmd
+
+        return local_cmd.run(args)
     if args.command == "plan":
         from p2pmesh import plan_cmd
 
