@@ -611,12 +611,33 @@ async def test_a_slow_body_is_408(models: tuple[Path, Path]) -> None:
 # Configuration and pure parts
 
 
+NOT_LOOPBACK = ("0.0.0.0", "::", "192.0.2.1", "mac.local")
+"""Addresses the checks must refuse without a token. They are only ever parsed and refused:
+the tests below make any socket creation fail while they are used, so a regression in the
+check can never bind a real interface (tests bind to loopback only)."""
+
+
+def _forbid_sockets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on, creating a socket fails the test (set after the trio loop's own)."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a socket was created for a non-loopback address")
+
+    monkeypatch.setattr(trio.socket, "socket", refuse)
+    monkeypatch.setattr(socket, "socket", refuse)
+
+
 @pytest.mark.trio
-async def test_a_non_loopback_bind_without_a_token_is_refused_at_start() -> None:
+async def test_a_non_loopback_bind_without_a_token_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
     stub = Stub(None)
-    for host in ("0.0.0.0", "::", "192.0.2.1", "mac.local"):
+    _forbid_sockets(monkeypatch)
+    for host in NOT_LOOPBACK:
         with pytest.raises(InsecureBind, match="without a token"):
             await serve_http(stub, host, 0, token=None)
+
+
+@pytest.mark.trio
+async def test_a_busy_port_is_a_typed_error_before_serving() -> None:
+    stub = Stub(None)
     # A busy port is a typed error too, raised before serving.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -625,17 +646,19 @@ async def test_a_non_loopback_bind_without_a_token_is_refused_at_start() -> None
             await serve_http(stub, "127.0.0.1", s.getsockname()[1], token=None)
 
 
-def test_endpoint_checks() -> None:
+def test_endpoint_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    _forbid_sockets(monkeypatch)
+    wildcard = NOT_LOOPBACK[0]
     assert endpoint("127.0.0.1:7780", None).port == 7780
     assert endpoint("[::1]:9000", None).host == "::1"
     assert endpoint("localhost:9000", None).token is None
-    assert endpoint("0.0.0.0:7780", TOKEN).token == TOKEN
+    assert endpoint(f"{wildcard}:7780", TOKEN).token == TOKEN  # parsed only, never bound
     with pytest.raises(InsecureBind):
-        endpoint("0.0.0.0:7780", None)
+        endpoint(f"{wildcard}:7780", None)
     with pytest.raises(InsecureBind):
         endpoint("10.0.0.5:7780", "")  # an empty token is no token
     with pytest.raises(HttpConfigError, match="16"):
-        endpoint("0.0.0.0:7780", "short")
+        endpoint(f"{wildcard}:7780", "short")
     with pytest.raises(HttpConfigError, match="printable"):
         endpoint("127.0.0.1:7780", "a token with spaces in it")
     for bad in ("7780", "host:", "host:99999", ":7780"):
