@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,10 +25,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("p2pmesh.models")
 
-HEADER_BYTES_MAX = 100 * 1024 * 1024
 CONFIG_BYTES_MAX = 1024 * 1024
 MEASURE_TIMEOUT_S = 300.0
-DOWNLOAD_TIMEOUT_S = 6 * 3600.0
 
 
 class ModelError(MeshError):
@@ -54,30 +51,22 @@ def resolve(name: str, *, allow_download: bool = True) -> Path:
 
 def tensor_bytes(path: Path) -> dict[str, int]:
     """Tensor name -> bytes, from the headers of every safetensors file (no weights read)."""
+    from p2pmesh.core.model_spec import MAX_HEADER_BYTES, ModelSpecError, parse_safetensors_header
+
     out: dict[str, int] = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelError(f"{path} holds no .safetensors file")
     for f in files:
         with f.open("rb") as fh:
-            raw = fh.read(8)
-            if len(raw) != 8:
-                raise ModelError(f"{f} is not a safetensors file (too short)")
-            (size,) = struct.unpack("<Q", raw)
-            if size > HEADER_BYTES_MAX:
-                raise ModelError(f"{f} has a {size}-byte header: not a safetensors file")
-            try:
-                header = json.loads(fh.read(size))
-            except ValueError:
-                raise ModelError(f"{f} has an unreadable safetensors header") from None
-        for key, meta in header.items():
-            if key == "__metadata__":
-                continue
-            try:
-                start, end = meta["data_offsets"]
-                out[key] = int(end) - int(start)
-            except (KeyError, TypeError, ValueError):
-                raise ModelError(f"{f}: tensor {key!r} has no data_offsets") from None
+            prefix = fh.read(8)
+            size = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+            prefix += fh.read(min(size, MAX_HEADER_BYTES))
+        try:
+            _, entries = parse_safetensors_header(prefix)
+        except ModelSpecError as exc:
+            raise ModelError(f"{f}: {exc}") from None
+        out.update((e.name, e.nbytes) for e in entries)
     return out
 
 

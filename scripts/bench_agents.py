@@ -26,24 +26,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from p2pmesh.drivers.control import ControlError, request  # noqa: E402
 from p2pmesh.drivers.discovery import POLL_S  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
-from tests.agent.harness import AgentProc  # noqa: E402
+from tests.agent.harness import AgentProc, control_status, timed_wait  # noqa: E402
 from tests.agent.netns import Bench, require_root  # noqa: E402
 
 TIMEOUT_S = 60.0
 
 
-def status(a: AgentProc) -> dict | None:
-    try:
-        return request(a.state_dir / "agent.sock", "status", timeout_s=2.0)["status"]
-    except ControlError:
-        return None
 
 
 def one_cluster(agents: list[AgentProc], n: int) -> dict | None:
-    ss = [status(a) for a in agents]
+    ss = [control_status(a) for a in agents]
     if any(s is None for s in ss):
         return None
     if len({s["cluster_id"] for s in ss}) != 1 or len({s["leader"] for s in ss}) != 1 or ss[0]["leader"] is None:
@@ -52,13 +46,6 @@ def one_cluster(agents: list[AgentProc], n: int) -> dict | None:
     return ss[0] if len(members) == n and all(m["voter"] and m["up"] for m in members) else None
 
 
-def wait(pred, what: str) -> float:  # type: ignore[no-untyped-def]
-    start = time.monotonic()
-    while time.monotonic() - start < TIMEOUT_S:
-        if pred():
-            return time.monotonic() - start
-        time.sleep(0.01)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 def round_formation_failover(root: Path, key: Path, r: int) -> tuple[float, float, float, float]:
@@ -70,7 +57,7 @@ def round_formation_failover(root: Path, key: Path, r: int) -> tuple[float, floa
         t0 = time.monotonic()
         for a in agents:
             a.start()
-        wait(lambda: all(status(a) for a in agents), "agents to answer")
+        timed_wait(lambda: all(control_status(a) for a in agents), TIMEOUT_S, "agents to answer", 0.01)
         answer = time.monotonic() - t0
         s = None
 
@@ -79,20 +66,20 @@ def round_formation_failover(root: Path, key: Path, r: int) -> tuple[float, floa
             s = one_cluster(agents, 5)
             return s is not None
 
-        wait(formed, "formation")
+        timed_wait(formed, TIMEOUT_S, "formation", 0.01)
         formation = time.monotonic() - t0
         assert s is not None
-        leader = next(a for a in agents if (status(a) or {}).get("node_id") == s["leader"])
-        commit = max((status(a) or {}).get("commit_index", 0) for a in agents)
+        leader = next(a for a in agents if (control_status(a) or {}).get("node_id") == s["leader"])
+        commit = max((control_status(a) or {}).get("commit_index", 0) for a in agents)
         rest = [a for a in agents if a is not leader]
         t1 = time.monotonic()
         leader.signal(signal.SIGKILL)
 
         def new_leader() -> bool:
-            ss = [status(a) for a in rest]
+            ss = [control_status(a) for a in rest]
             return any(x and x["role"] == "leader" and x["commit_index"] > commit for x in ss)
 
-        failover = wait(new_leader, "failover")
+        failover = timed_wait(new_leader, TIMEOUT_S, "failover", 0.01)
         return answer, formation, failover, time.monotonic() - t1
     finally:
         for a in agents:
@@ -109,12 +96,12 @@ def round_merge(root: Path, key: Path, r: int) -> float:
         agents = bench.agents(root, key, f"m{r}-")
         for a in agents:
             a.start()
-        wait(lambda: one_cluster(agents[:2], 2) and one_cluster(agents[2:], 2), "two clusters")
+        timed_wait(lambda: one_cluster(agents[:2], 2) and one_cluster(agents[2:], 2), TIMEOUT_S, "two clusters", 0.01)
         t0 = time.monotonic()
         for i in (0, 1):
             for j in (2, 3):
                 bench.plug(i, j)
-        wait(lambda: one_cluster(agents, 4), "merge")
+        timed_wait(lambda: one_cluster(agents, 4), TIMEOUT_S, "merge", 0.01)
         return time.monotonic() - t0
     finally:
         for a in agents:

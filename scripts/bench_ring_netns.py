@@ -26,33 +26,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from p2pmesh.drivers.control import ControlError, request  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
 from p2pmesh.link_tasks import WATCH_PERIOD_S  # noqa: E402
-from tests.agent.harness import AgentProc  # noqa: E402
+from tests.agent.harness import AgentProc, control_status, timed_wait  # noqa: E402
 from tests.agent.netns import Bench, require_root  # noqa: E402
 
 TIMEOUT_S = 60.0
 
 
-def status(a: AgentProc) -> dict | None:
-    try:
-        return request(a.state_dir / "agent.sock", "status", timeout_s=2.0)["status"]
-    except ControlError:
-        return None
 
 
-def wait(pred, what: str, step_s: float = 0.005) -> float:  # type: ignore[no-untyped-def]
-    start = time.monotonic()
-    while time.monotonic() - start < TIMEOUT_S:
-        if pred():
-            return time.monotonic() - start
-        time.sleep(step_s)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 def ring_of(a: AgentProc) -> dict | None:
-    s = status(a)
+    s = control_status(a)
     return s.get("ring") if s else None
 
 
@@ -76,13 +63,13 @@ def main() -> int:
         ids: list[str] = []
 
         def formed() -> bool:
-            ss = [status(a) for a in agents]
+            ss = [control_status(a) for a in agents]
             if any(s is None for s in ss) or len({s["cluster_id"] for s in ss}) != 1:  # type: ignore[index]
                 return False
             ids[:] = [s["node_id"] for s in ss]  # type: ignore[index]
             return len(ss[0]["members"]) == 4 and all(m["up"] and m["voter"] for m in ss[0]["members"])  # type: ignore[index]
 
-        wait(formed, "one cluster of 4", step_s=0.1)
+        timed_wait(formed, TIMEOUT_S, "one cluster of 4", 0.1)
         square = {frozenset((ids[i], ids[(i + 1) % 4])) for i in range(4)}
 
         def is_square(r: dict | None) -> bool:
@@ -91,8 +78,8 @@ def main() -> int:
             o = r["order"]
             return {frozenset((o[i], o[(i + 1) % 4])) for i in range(4)} == square
 
-        wait(lambda: is_square(ring_of(agents[2])), "the square ring", step_s=0.1)
-        rtt_status = [wait(lambda: status(agents[2]) is not None, "status") for _ in range(20)]
+        timed_wait(lambda: is_square(ring_of(agents[2])), TIMEOUT_S, "the square ring", 0.1)
+        rtt_status = [timed_wait(lambda: control_status(agents[2]) is not None, TIMEOUT_S, "status", 0.005) for _ in range(20)]
         pulls, plugs = [], []
         for r in range(args.rounds):
             cable = bench.cables[r % 4]
@@ -107,12 +94,12 @@ def main() -> int:
                 ring = ring_of(observer)
                 return bool(ring) and len(ring["order"]) == 4 and [frozenset((h["from"], h["to"])) for h in ring["slow_hops"]] == [pair]  # type: ignore[index]
 
-            wait(rerouted, "the ring around the pulled cable")
+            timed_wait(rerouted, TIMEOUT_S, "the ring around the pulled cable", 0.005)
             pulls.append(time.monotonic() - t0)
             time.sleep(1.0)
             t0 = time.monotonic()
             bench.set_link(cable, up=True)
-            wait(lambda: is_square(ring_of(observer)), "the square ring back")
+            timed_wait(lambda: is_square(ring_of(observer)), TIMEOUT_S, "the square ring back", 0.005)
             plugs.append(time.monotonic() - t0)
         print("| figure | measured (median) | target | baseline in the same run |")
         print("|---|---|---|---|")

@@ -29,34 +29,22 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from make_tiny_model import make_tiny_model  # noqa: E402
 
 from p2pmesh.core.settings import Settings  # noqa: E402
-from p2pmesh.drivers.control import ControlError, request, stream  # noqa: E402
+from p2pmesh.drivers.control import request, stream  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
 from p2pmesh.models import describe  # noqa: E402
-from tests.agent.harness import AgentProc, free_port  # noqa: E402
+from tests.agent.harness import AgentProc, control_status, timed_wait, free_port  # noqa: E402
 
 TIMEOUT_S = 120.0
 LAYERS = 8
 CONTEXT = 512
 
 
-def status(a: AgentProc) -> dict | None:
-    try:
-        return request(a.state_dir / "agent.sock", "status", timeout_s=2.0)["status"]
-    except ControlError:
-        return None
 
 
-def wait(pred, what: str, step_s: float = 0.02) -> float:  # type: ignore[no-untyped-def]
-    start = time.monotonic()
-    while time.monotonic() - start < TIMEOUT_S:
-        if pred():
-            return time.monotonic() - start
-        time.sleep(step_s)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 def serving(a: AgentProc, stages: int, not_epoch: int = -1) -> dict | None:
-    s = status(a)
+    s = control_status(a)
     p = s.get("placement") if s else None
     if not p or not p["serving"] or len(p["stages"]) != stages or "pending" in p or p["epoch"] == not_epoch:
         return None
@@ -81,17 +69,17 @@ def one_round(root: Path, model: Path, r: int) -> tuple[float, float, float]:
     try:
         for a in agents:
             a.start()
-        wait(lambda: all(status(a) for a in agents) and len(status(agents[0])["members"]) == 3, "a cluster of 3", 0.1)  # type: ignore[index]
+        timed_wait(lambda: all(control_status(a) for a in agents) and len(control_status(agents[0])["members"]) == 3, TIMEOUT_S, "a cluster of 3", 0.1)  # type: ignore[index]
         request(agents[0].state_dir / "agent.sock", "model", timeout_s=60, name=str(model), context_tokens=CONTEXT)
-        wait(lambda: serving(agents[0], 2), "a serving placement", 0.1)
+        timed_wait(lambda: serving(agents[0], 2), TIMEOUT_S, "a serving placement", 0.1)
         p = serving(agents[0], 2)
         assert p is not None
-        ids = [status(a)["node_id"] for a in agents]  # type: ignore[index]
+        ids = [control_status(a)["node_id"] for a in agents]  # type: ignore[index]
         victim = ids.index(p["stages"][-1]["node_id"])
         observer = agents[next(i for i in range(3) if i != victim)]
         t0 = time.monotonic()
         agents[victim].signal(signal.SIGKILL)
-        wait(lambda: serving(observer, 2, not_epoch=p["epoch"]), "serving again")
+        timed_wait(lambda: serving(observer, 2, not_epoch=p["epoch"]), TIMEOUT_S, "serving again", 0.02)
         back = time.monotonic() - t0
         list(stream(observer.state_dir / "agent.sock", "generate", prompt="hello there", max_tokens=4))
         answered = time.monotonic() - t0

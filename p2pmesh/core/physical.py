@@ -146,17 +146,6 @@ def common_subnet(left: tuple[str, ...], right: tuple[str, ...]) -> tuple[str, s
     return None
 
 
-def graph_json(nodes: list[NodeId], links: list[Cable]) -> dict[str, object]:
-    """The graph in the `p2pmesh ring solve` format (docs/ring.md), for users and tests."""
-    return {
-        "nodes": list(nodes),
-        "links": [
-            {"a": c.a, "b": c.b, "kind": c.kind, "gbps": c.gbps, **({"rtt_ms": c.rtt_ms} if c.rtt_ms is not None else {})}
-            for c in links
-        ],
-    }
-
-
 def negotiate(state: ClusterState) -> SetRing | None:
     """The ring the leader should propose now, or None when the committed one is right."""
     members = serving(state)

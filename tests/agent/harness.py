@@ -83,14 +83,32 @@ class AgentProc:
         return path.read_text(errors="replace") if path.exists() else ""
 
 
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, step_s: float = WAIT_STEP_S) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(WAIT_STEP_S)
+        time.sleep(step_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def timed_wait(predicate: Callable[[], Any], timeout_s: float, what: str, step_s: float = 0.01) -> float:
+    """Seconds until ``predicate`` holds (benchmarks poll finely; see wait_for)."""
+    start = time.monotonic()
+    wait_for(predicate, timeout_s, what, step_s)
+    return time.monotonic() - start
+
+
+def control_status(agent: AgentProc) -> dict[str, Any] | None:
+    """The agent's status straight from its control socket (no CLI process: fast enough to
+    poll every few milliseconds), None while it does not answer."""
+    from p2pmesh.drivers.control import ControlError, request
+
+    try:
+        return request(agent.state_dir / "agent.sock", "status", timeout_s=2.0)["status"]
+    except ControlError:
+        return None
 
 
 def one_cluster(agents: list[AgentProc], voters: int) -> dict[str, Any] | None:

@@ -145,6 +145,15 @@ def _check_stages(p: dict[str, Any]) -> None:
     assert at == LAYERS
 
 
+def _start_serving(agents: list[AgentProc], model: Path, stages: int) -> dict[str, Any]:
+    """Start every agent, wait for one cluster, serve ``model``; the serving placement."""
+    for a in agents:
+        a.start()
+    wait_for(lambda: one_cluster(agents, len(agents)), FORM_TIMEOUT_S, f"one cluster of {len(agents)}")
+    _set_model(agents[0], model)
+    return wait_for(lambda: _serving(agents[0], stages), SERVE_TIMEOUT_S, f"a serving {stages}-stage placement")
+
+
 def _stop(agents: list[AgentProc]) -> None:
     for a in agents:
         a.stop()
@@ -155,11 +164,7 @@ def test_three_stage_generation_equals_one_process(tmp_path: Path, tiny_model: P
     # Room for 2-3 layers (plus embeddings) each: the model needs all three Macs.
     agents = _agents(tmp_path, 3, [extras + per_layer * 2 + per_layer // 2] * 3)
     try:
-        for a in agents:
-            a.start()
-        wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
-        _set_model(agents[0], tiny_model)
-        p = wait_for(lambda: _serving(agents[1], 3), SERVE_TIMEOUT_S, "a serving 3-stage placement")
+        p = _start_serving(agents, tiny_model, 3)
         _check_stages(p)
         tokens, last = _generate(agents[2], 24)
         assert last["final"] and last["finish"] == "length"
@@ -176,11 +181,7 @@ def test_killing_a_stage_mid_generation_finishes_with_identical_tokens(
     # Each Mac holds 4 layers at most: two stages serve, the third Mac is spare.
     agents = _agents(tmp_path, 3, [extras + per_layer * 4 + per_layer // 2] * 3)
     try:
-        for a in agents:
-            a.start()
-        wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
-        _set_model(agents[0], tiny_model)
-        p = wait_for(lambda: _serving(agents[0], 2), SERVE_TIMEOUT_S, "a serving 2-stage placement")
+        p = _start_serving(agents, tiny_model, 2)
         ids = [a.status()["node_id"] for a in agents]  # type: ignore[index]
         staged = [ids.index(s["node_id"]) for s in p["stages"]]
         origin = next(i for i in range(3) if i not in staged)  # ask the spare Mac
@@ -244,11 +245,7 @@ def test_a_stage_leaving_gracefully_hands_over_before_it_goes(tmp_path: Path, ti
     per_layer, extras = _layer_bytes(tiny_model)
     agents = _agents(tmp_path, 3, [extras + per_layer * 4 + per_layer // 2] * 3)
     try:
-        for a in agents:
-            a.start()
-        wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
-        _set_model(agents[0], tiny_model)
-        p = wait_for(lambda: _serving(agents[0], 2), SERVE_TIMEOUT_S, "a serving 2-stage placement")
+        p = _start_serving(agents, tiny_model, 2)
         ids = [a.status()["node_id"] for a in agents]  # type: ignore[index]
         leaving = ids.index(p["stages"][-1]["node_id"])
         stay = [a for i, a in enumerate(agents) if i != leaving]
