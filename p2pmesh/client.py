@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import trio
 
+from p2pmesh import chat_template
 from p2pmesh.core.errors import MeshError
 
 if TYPE_CHECKING:
@@ -671,8 +672,7 @@ def _check_messages(messages: Any) -> tuple[dict[str, Any], ...]:
 def fallback_chat_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
     """The prompt chat() sends for a model without a chat template: one "role: content"
     line per message, then "assistant:" for the model to continue."""
-    msgs = _check_messages(messages)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
+    return chat_template.fallback_prompt((m["role"], m["content"]) for m in _check_messages(messages))
 
 
 _TOKENIZERS: dict[str, Any] = {}
@@ -700,27 +700,15 @@ def _model_directory(name: str, model_root: Path | None) -> Path:
                            "render the prompt yourself and call generate()") from None
 
 
-def _has_chat_template(directory: Path) -> bool:
-    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
-        return True
-    try:
-        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and bool(config.get("chat_template"))
-
-
 def _tokenizer(directory: Path) -> Any:
     key = str(directory.resolve())
     with _TOKENIZERS_LOCK:
         tok = _TOKENIZERS.get(key)
         if tok is None:
             try:
-                from transformers import AutoTokenizer
-            except ImportError:
-                raise P2PMeshError("rendering a model's chat template needs the transformers package "
-                                   "(pip install transformers)") from None
-            tok = _TOKENIZERS[key] = AutoTokenizer.from_pretrained(key)
+                tok = _TOKENIZERS[key] = chat_template.load_tokenizer(directory)
+            except ImportError as exc:
+                raise P2PMeshError(str(exc)) from None
         return tok
 
 
@@ -728,16 +716,13 @@ def _chat_prompt(name: str, messages: tuple[dict[str, Any], ...], model_root: Pa
     """The generate fields for a chat: token ids rendered by the model's chat template, or
     the fallback prompt as text when the model has none."""
     directory = _model_directory(name, model_root)
-    if not _has_chat_template(directory):
+    if not chat_template.directory_has_template(directory):
         return {"prompt": fallback_chat_prompt(messages)}
-    tok = _tokenizer(directory)
     try:
-        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001 - a template raises what it likes; it means the messages do not fit it
-        raise BadRequest(f"the chat template of {name} refused the messages: {exc}") from None
-    # Templates write the BOS token themselves: tokenize without adding special tokens and
-    # send ids, so the worker does not add a second BOS as it would for a text prompt.
-    return {"prompt": None, "prompt_tokens": [int(t) for t in tok.encode(text, add_special_tokens=False)]}
+        tokens = chat_template.render_tokens(_tokenizer(directory), messages)
+    except chat_template.TemplateRefused as exc:
+        raise BadRequest(f"{name}: {exc}") from None
+    return {"prompt": None, "prompt_tokens": list(tokens)}
 
 
 # ----------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import trio
 
+from p2pmesh import chat_template
 from p2pmesh.core.errors import MeshError
 from p2pmesh.worker.protocol import MAX_PROMPT_TOKENS, MAX_TOKENS_CAP  # no MLX in there
 
@@ -888,9 +889,8 @@ def _content(content: Any, where: str) -> str:
 
 
 def fallback_chat_prompt(messages: Iterable[ChatMessage]) -> str:
-    """For a model without a chat template (a base model, the tiny test models): one
-    "role: content" line per message, then "assistant:" for the model to continue."""
-    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
+    """For a model without a chat template: see chat_template.fallback_prompt."""
+    return chat_template.fallback_prompt((m.role, m.content) for m in messages)
 
 
 @dataclass(slots=True)
@@ -903,7 +903,7 @@ class _Loaded:
 
     @property
     def has_template(self) -> bool:
-        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+        return chat_template.tokenizer_has_template(self.tokenizer)
 
 
 class Tokenizers:
@@ -936,10 +936,7 @@ class Tokenizers:
         # The same lookup as the agent's `model set`: relative names under --model-root.
         local = str(self.model_root / name) if self.model_root is not None and not Path(name).is_absolute() else name
         try:
-            path = models.resolve(local)
-            from transformers import AutoTokenizer
-
-            return _Loaded(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+            return _Loaded(chat_template.load_tokenizer(models.resolve(local)))
         except Exception as exc:  # noqa: BLE001 - any failure: serve without counts or templates
             log.warning("cannot load the tokenizer of %s (no chat template, no prompt token counts): %s", name, exc)
             return _Loaded(None)
@@ -975,10 +972,9 @@ def render_chat(loaded: _Loaded, messages: tuple[ChatMessage, ...]) -> Prompt:
     conversation = [{"role": m.role, "content": m.content} for m in messages]
     with loaded.lock:
         try:
-            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - templates raise on conversations they do not accept
-            raise _bad(f"the model's chat template refused these messages: {exc}", "messages") from None
-        tokens = tuple(int(t) for t in tok.encode(text, add_special_tokens=False))
+            tokens = chat_template.render_tokens(tok, conversation)
+        except chat_template.TemplateRefused as exc:
+            raise _bad(str(exc), "messages") from None
     if not tokens:
         raise _bad("the chat template rendered an empty prompt", "messages")
     if len(tokens) > PROMPT_TOKENS_MAX:
