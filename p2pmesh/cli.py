@@ -38,6 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     def state_dir(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--state-dir", type=Path, default=default_state_dir(), help="default: %(default)s")
 
+    def target(sp: argparse.ArgumentParser) -> None:
+        """Which agent to ask: --socket, else --state-dir's socket, else $P2PMESH_SOCKET,
+        else the default state directory's (the client API's rule)."""
+        sp.add_argument("--state-dir", type=Path, default=None, help=f"the agent's state directory (default: {default_state_dir()})")
+        sp.add_argument("--socket", type=Path, default=None, help="the agent's control socket (default: in the state directory)")
+
     agent = sub.add_parser("agent", help="run the agent (the same on every Mac, no options needed)")
     state_dir(agent)
     agent.add_argument("--listen", action="append", default=[], help="HOST:PORT to accept peers on (repeatable; default 0.0.0.0:7741)")
@@ -64,16 +70,18 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     agent.add_argument("--log-format", default="text", choices=["text", "json"])
 
-    for name, helptext in (("status", "show this agent's view of the cluster"), ("leave", "leave the cluster gracefully")):
+    for name, helptext in (("status", "show this agent's view of the cluster"),
+                           ("members", "list the cluster's members (leader, voters, learners, up or down)"),
+                           ("leave", "leave the cluster gracefully")):
         sp = sub.add_parser(name, help=helptext)
-        state_dir(sp)
-        sp.add_argument("--socket", type=Path, default=None, help="the agent's control socket (default: in --state-dir)")
-        if name == "status":
+        target(sp)
+        if name != "leave":
             sp.add_argument("--json", action="store_true")
+        else:
+            sp.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the cluster to confirm")
 
     ring = sub.add_parser("ring", help="show the committed ring, or plan one (`ring solve`)")
-    state_dir(ring)
-    ring.add_argument("--socket", type=Path, default=None, help="the agent's control socket (default: in --state-dir)")
+    target(ring)
     ring.add_argument("--json", action="store_true", help="print the status `ring` object")
     ring.add_argument("--mlx-hostfile", action="store_true", help="print the MLX ring hostfile (MLX_HOSTFILE) of the committed ring")
     ring.add_argument("--jaccl", action="store_true", help="print the JACCL device matrix and coordinator (RDMA rings)")
@@ -89,25 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     plan_cmd.add_parser(sub)
     local_cmd.add_parser(sub)
 
-    model = sub.add_parser("model", help="choose the model the cluster serves")
-    model_sub = model.add_subparsers(dest="model_command", required=True)
-    mset = model_sub.add_parser("set", help="serve this model (a local Hugging Face-layout directory or a Hugging Face id)")
-    mset.add_argument("name")
-    mset.add_argument("--context-tokens", type=int, default=4096, help="context length the KV cache is sized for")
-    model_sub.add_parser("clear", help="serve no model")
-    for sp in (mset, model_sub.choices["clear"]):
-        state_dir(sp)
-        sp.add_argument("--socket", type=Path, default=None)
+    from p2pmesh import model_cmd
 
-    gen = sub.add_parser("generate", help="generate text with the cluster's model (streams to stdout)")
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--json", action="store_true", help="one JSON object per event")
-    state_dir(gen)
-    gen.add_argument("--socket", type=Path, default=None)
+    model_cmd.add_parsers(sub, target)
 
     key = sub.add_parser("key", help="show or install the cluster key")
     key_sub = key.add_subparsers(dest="key_command", required=True)
@@ -123,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "agent":
         return _agent(args)
-    if args.command in ("status", "leave"):
+    if args.command in ("status", "members", "leave"):
         return _ask(args)
     if args.command == "ring":
         return _ring_solve(args) if args.ring_command == "solve" else _ask(args)
@@ -131,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         from p2pmesh import links_cmd
 
         return links_cmd.run(args)
-    if args.command == "model":
-        return _model(args)
-    if args.command == "generate":
-        return _generate(args)
+    if args.command in ("load", "model", "generate", "chat", "watch"):
+        from p2pmesh import model_cmd
+
+        return model_cmd.run(args, _socket(args))
     if args.command == "local":
         from p2pmesh import local_cmd
 
@@ -222,34 +214,67 @@ def _agent(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
 
 
+def _socket(args: argparse.Namespace) -> Path | None:
+    """The agent to ask, from --socket/--state-dir (None: the client API's default rule)."""
+    if getattr(args, "socket", None) is not None:
+        return args.socket
+    if getattr(args, "state_dir", None) is not None:
+        return args.state_dir / "agent.sock"
+    return None
+
+
 def _ask(args: argparse.Namespace) -> int:
+    from p2pmesh.client import locate_socket
     from p2pmesh.drivers.control import ControlError, request
 
-    path = args.socket or args.state_dir / "agent.sock"
+    path, _ = locate_socket(_socket(args))
+    if args.command == "leave":
+        return _leave(path, args.timeout)
     try:
-        answer = request(path, "status" if args.command == "ring" else args.command, timeout_s=120.0)
+        answer = request(path, "status", timeout_s=30.0)
     except ControlError as exc:
         print(f"p2pmesh: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    if args.command == "leave":
-        print("left the cluster" if answer.get("left") else "leaving (not yet confirmed)")
-        return EXIT_OK
     status = answer["status"]
     if args.command == "ring":
         return _ring_show(args, status)
+    from p2pmesh import terminal
+
+    if args.command == "members":
+        if args.json:
+            print(json.dumps({"leader": status["leader"], "term": status["term"], "members": status["members"]}))
+        else:
+            terminal.console().print(terminal.members_table(status))
+        return EXIT_OK
     if args.json:
         print(json.dumps(status))
     else:
-        _print_status(status)
+        terminal.console().print(terminal.status_view(status))
+    return EXIT_OK
+
+
+def _leave(path: Path, timeout_s: float) -> int:
+    from p2pmesh import client
+
+    try:
+        with client.connect(path) as agent:
+            left = agent.leave(timeout=timeout_s)
+    except client.P2PMeshError as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    print("left the cluster" if left else "leaving (not yet confirmed)")
     return EXIT_OK
 
 
 def _ring_show(args: argparse.Namespace, status: dict[str, Any]) -> int:
-    from p2pmesh.ring_view import draw
-
     ring = status.get("ring") or {"epoch": 0, "order": [], "hops": []}
     if not (args.mlx_hostfile or args.jaccl):
-        print(json.dumps(ring) if args.json else draw(ring, status["node_id"]))
+        if args.json:
+            print(json.dumps(ring))
+        else:
+            from p2pmesh import terminal
+
+            terminal.console().print(terminal.ring_text(ring, status["node_id"]))
         return EXIT_OK
     from p2pmesh.core.addressing import AddressingError, ring_from_status
     from p2pmesh.core.mlx_hostfile import MlxConfigError, jaccl_coordinator, jaccl_devices, ring_hostfile
@@ -273,55 +298,6 @@ def _ring_show(args: argparse.Namespace, status: dict[str, Any]) -> int:
     except (AddressingError, MlxConfigError) as exc:
         print(f"p2pmesh: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    return EXIT_OK
-
-
-def _print_status(s: dict[str, Any]) -> None:
-    leader = s["leader"][:8] if s["leader"] else "none"
-    print(f"node {s['node_id'][:8]}  role {s['role']}  cluster {s['cluster_id'] or '-'}  term {s['term']}  leader {leader}")
-    for m in s["members"]:
-        flags = ("voter" if m["voter"] else "learner") + ("" if m["up"] else ", DOWN")
-        print(f"  {m['node_id'][:8]}  {flags:15} {' '.join(m['addresses'])}")
-    if s.get("ring"):
-        from p2pmesh.ring_view import draw
-
-        print(draw(s["ring"], s["node_id"]))
-
-
-def _model(args: argparse.Namespace) -> int:
-    from p2pmesh.drivers.control import ControlError, request
-
-    path = args.socket or args.state_dir / "agent.sock"
-    fields: dict[str, Any] = {"name": None}
-    if args.model_command == "set":
-        fields = {"name": args.name, "context_tokens": args.context_tokens}
-    try:
-        answer = request(path, "model", timeout_s=600.0, **fields)
-    except ControlError as exc:
-        print(f"p2pmesh: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    model = answer.get("model")
-    print(f"serving {model['name']} ({model['layers']} layers)" if model else "serving no model")
-    return EXIT_OK
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from p2pmesh.drivers.control import ControlError, stream
-
-    path = args.socket or args.state_dir / "agent.sock"
-    fields = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "top_p": args.top_p, "seed": args.seed}
-    try:
-        for event in stream(path, "generate", **fields):
-            if args.json:
-                print(json.dumps(event), flush=True)
-            else:
-                print(event.get("text", ""), end="", flush=True)
-    except ControlError as exc:
-        print(f"\np2pmesh: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    if not args.json:
-        print()
     return EXIT_OK
 
 

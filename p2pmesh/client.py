@@ -503,7 +503,7 @@ def _load_progress(name: str, p: Placement | None, floor: int, same: bool) -> Lo
 
 def _p_load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, quorum_timeout_s: float,
             on_progress: Callable[[LoadProgress], None] | None) -> _Plan[LoadedModel]:
-    name = _model_name(model)
+    name = model_name(model)
     start = yield _Clock()
     deadline = start + timeout_s
     before = yield from _p_healthy(min(timeout_s, quorum_timeout_s))
@@ -535,7 +535,7 @@ def _p_load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float
         yield _Sleep(POLL_S)
 
 
-def _model_name(model: str | os.PathLike[str]) -> str:
+def model_name(model: str | os.PathLike[str]) -> str:
     """What to send as the model's name. A local directory is made absolute, because the
     agent may run in another working directory; anything else (a Hugging Face id, a name
     under the agent's model root) goes as given."""
@@ -729,8 +729,10 @@ def _chat_prompt(name: str, messages: tuple[dict[str, Any], ...], model_root: Pa
 # Where the agent is, and the bytes on the socket
 
 
-def _locate(address: str | os.PathLike[str] | None) -> tuple[Path, str]:
-    """(socket path, how it was chosen) for the error messages."""
+def locate_socket(address: str | os.PathLike[str] | None) -> tuple[Path, str]:
+    """The agent's control socket and how it was chosen (for error messages): the address
+    given (a socket or a state directory), else $P2PMESH_SOCKET, else the default state
+    directory's socket. The CLI resolves --socket/--state-dir the same way."""
     if address is not None:
         how = "the address given"
         raw = os.fspath(address)
@@ -855,7 +857,7 @@ class AsyncClient:
 
     def __init__(self, address: str | os.PathLike[str] | None = None, *, quorum_timeout: float = QUORUM_TIMEOUT_S,
                  _model_root: Path | None = None) -> None:
-        self.socket_path, self._how = _locate(address)
+        self.socket_path, self._how = locate_socket(address)
         self.quorum_timeout = quorum_timeout
         self._model_root = _model_root
 
@@ -1095,7 +1097,7 @@ class Client:
 
     def __init__(self, address: str | os.PathLike[str] | None = None, *, quorum_timeout: float = QUORUM_TIMEOUT_S,
                  _model_root: Path | None = None) -> None:
-        self.socket_path, self._how = _locate(address)
+        self.socket_path, self._how = locate_socket(address)
         self.quorum_timeout = quorum_timeout
         self._model_root = _model_root
 

@@ -1,0 +1,280 @@
+"""The CLI's model commands, all through the embedded client API (so the CLI, Python
+programs and the HTTP API see one truth and one set of errors):
+
+  p2pmesh load MODEL [--context-tokens N] [--timeout S] [--json]   (waits, with a progress bar)
+  p2pmesh model set MODEL [--context-tokens N] | model clear        (commit and return)
+  p2pmesh generate PROMPT [--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--json]
+  p2pmesh chat [MESSAGE] [--system TEXT] [...same sampling options] [--json]
+  p2pmesh watch [--json] [--count N] [--interval S]                 (cluster events, live)
+
+Exit codes: 0 done; 1 the agent is not running, failed or refused; 2 bad usage or input;
+3 the cluster is not ready (no quorum in time, no model loaded, not serving in time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from p2pmesh import client as api
+
+EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, EXIT_NOT_READY = 0, 1, 2, 3
+CHAT_TURNS_MAX = 32
+"""Conversation turns kept in an interactive chat (older ones are dropped, the system
+message stays): bounds the prompt the cluster is asked to process."""
+CHAT_LINE_CHARS_MAX = 16_384
+
+
+def add_parsers(subparsers: Any, add_target: Callable[[argparse.ArgumentParser], None]) -> None:
+    """`add_target` adds the options naming the agent (--state-dir, --socket)."""
+    load = subparsers.add_parser("load", help="serve a model cluster-wide and wait until it serves (progress bar)")
+    load.add_argument("model", help="a local directory in the Hugging Face layout, or a Hugging Face id (org/name)")
+    load.add_argument("--context-tokens", type=int, default=api.DEFAULT_CONTEXT_TOKENS,
+                      help="context length the KV cache is sized for (default %(default)s)")
+    load.add_argument("--timeout", type=float, default=api.LOAD_TIMEOUT_S, help="seconds (default %(default)s)")
+    load.add_argument("--json", action="store_true", help="one JSON object per progress step, then the result")
+    add_target(load)
+
+    model = subparsers.add_parser("model", help="choose the model the cluster serves, without waiting (see `load`)")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    mset = model_sub.add_parser("set", help="serve this model (a local Hugging Face-layout directory or a Hugging Face id)")
+    mset.add_argument("name")
+    mset.add_argument("--context-tokens", type=int, default=api.DEFAULT_CONTEXT_TOKENS,
+                      help="context length the KV cache is sized for")
+    clear = model_sub.add_parser("clear", help="serve no model")
+    for sp in (mset, clear):
+        add_target(sp)
+
+    gen = subparsers.add_parser("generate", help="generate text with the cluster's model (streams to stdout)")
+    gen.add_argument("prompt")
+    _sampling(gen)
+    gen.add_argument("--json", action="store_true", help="one JSON object per event")
+    add_target(gen)
+
+    chat = subparsers.add_parser("chat", help="chat with the cluster's model (one message, or interactive from stdin)")
+    chat.add_argument("message", nargs="?", default=None, help="one message; without it, read one message per line")
+    chat.add_argument("--system", default=None, help="a system message to start the conversation with")
+    _sampling(chat)
+    chat.add_argument("--json", action="store_true", help="one JSON object per reply")
+    add_target(chat)
+
+    watch = subparsers.add_parser("watch", help="follow the cluster's events (members, leader, ring, rebalancing)")
+    watch.add_argument("--json", action="store_true", help="one JSON object per event")
+    watch.add_argument("--count", type=int, default=None, help="stop after this many events")
+    watch.add_argument("--interval", type=float, default=api.POLL_S, help="seconds between polls of the agent")
+    add_target(watch)
+
+
+def _sampling(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--max-tokens", type=int, default=128)
+    sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    sp.add_argument("--top-p", type=float, default=1.0)
+    sp.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace, address: Path | None) -> int:
+    handlers = {"load": _load, "model": _model, "generate": _generate, "chat": _chat, "watch": _watch}
+    try:
+        with api.connect(address) as cluster:
+            return handlers[args.command](args, cluster)
+    except KeyboardInterrupt:
+        return 130
+    except api.P2PMeshError as exc:
+        return _failed(exc)
+
+
+def _failed(exc: api.P2PMeshError) -> int:
+    print(f"\np2pmesh: {exc}" if not isinstance(exc, api.AgentNotRunning) else f"p2pmesh: {exc}", file=sys.stderr)
+    if isinstance(exc, api.BadRequest):
+        return EXIT_USAGE
+    if isinstance(exc, (api.NoQuorum, api.ModelNotLoaded)):
+        return EXIT_NOT_READY
+    return EXIT_UNAVAILABLE
+
+
+# ---------------------------------------------------------------------------------------
+# load / model set / model clear
+
+
+def _load(args: argparse.Namespace, cluster: api.Client) -> int:
+    from p2pmesh import terminal
+
+    con = terminal.console()
+    if args.json:
+        def report(p: api.LoadProgress) -> None:
+            print(json.dumps({"model": p.model, "stage": p.stage, "ready": p.ready, "stages": p.stages,
+                              "epoch": p.epoch, "detail": p.detail}), flush=True)
+
+        loaded = cluster.load(args.model, context_tokens=args.context_tokens, timeout=args.timeout, on_progress=report)
+        print(json.dumps({"model": loaded.name, "layers": loaded.layers, "layer_bytes": loaded.layer_bytes,
+                          "context_tokens": loaded.context_tokens, "epoch": loaded.placement.epoch,
+                          "stages": [{"node_id": s.node_id, "layers": [s.start, s.end]} for s in loaded.placement.stages]}))
+        return EXIT_OK
+    with ProgressReport(con, f"loading {args.model}") as bar:
+        loaded = cluster.load(args.model, context_tokens=args.context_tokens, timeout=args.timeout,
+                              on_progress=lambda p: bar.update(p.detail, p.ready, p.stages))
+    con.print(f"serving {loaded.name}: {loaded.layers} layers on {len(loaded.placement.stages)} "
+              f"stage{'s' if len(loaded.placement.stages) != 1 else ''} (epoch {loaded.placement.epoch})", style="green")
+    for i, s in enumerate(loaded.placement.stages):
+        con.print(f"  stage {i}: {terminal.short(s.node_id)} layers {s.start}-{s.end - 1}")
+    return EXIT_OK
+
+
+class ProgressReport:
+    """A progress bar of ready workers on a terminal; one line per change in a pipe (a bar
+    redrawn in place would be noise in a log)."""
+
+    def __init__(self, con: Any, title: str) -> None:
+        self.con, self.title = con, title
+        self._bar: Any = None
+        self._task: Any = None
+        self._last: tuple[str, int, int] | None = None
+
+    def __enter__(self) -> ProgressReport:
+        if self.con.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=self.con, transient=False)
+            self._bar.__enter__()
+            self._task = self._bar.add_task(self.title, total=None)
+        return self
+
+    def update(self, detail: str, done: int, total: int) -> None:
+        if (detail, done, total) == self._last:
+            return
+        self._last = (detail, done, total)
+        if self._bar is not None:
+            self._bar.update(self._task, description=f"{self.title}: {detail}", completed=done, total=total or None)
+        else:
+            self.con.print(f"{self.title}: {detail}" + (f" [{done}/{total}]" if total else ""))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+
+
+def _model(args: argparse.Namespace, cluster: api.Client) -> int:
+    # `model set` commits the choice and returns (the placement follows): one request,
+    # the same op `load` starts with.
+    from p2pmesh.drivers.control import ControlError, request
+
+    fields: dict[str, Any] = {"name": None}
+    if args.model_command == "set":
+        fields = {"name": api.model_name(args.name), "context_tokens": args.context_tokens}
+    try:
+        answer = request(cluster.socket_path, "model", timeout_s=600.0, **fields)
+    except ControlError as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    model = answer.get("model")
+    print(f"serving {model['name']} ({model['layers']} layers)" if model else "serving no model")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------
+# generate / chat
+
+
+def _generate(args: argparse.Namespace, cluster: api.Client) -> int:
+    gen = cluster.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                           top_p=args.top_p, seed=args.seed)
+    _stream(gen, args.json)
+    return EXIT_OK
+
+
+def _stream(gen: api.Generation, as_json: bool) -> api.GenerationResult | None:
+    """Print a generation as it comes: text pieces, or one JSON object per piece then the end."""
+    for piece in gen:
+        if as_json:
+            print(json.dumps({"text": piece}), flush=True)
+        else:
+            print(piece, end="", flush=True)
+    result = gen.result
+    if as_json and result is not None:
+        print(json.dumps({"done": True, "request_id": result.request_id, "finish": result.finish,
+                          "tokens": len(result.tokens), "text": result.text}), flush=True)
+    elif not as_json:
+        print(flush=True)
+    return result
+
+
+def _chat(args: argparse.Namespace, cluster: api.Client) -> int:
+    history: list[dict[str, str]] = []
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = args.message is None and sys.stdin.isatty()
+    for line in _messages(args.message, interactive):
+        history.append({"role": "user", "content": line})
+        del history[:-CHAT_TURNS_MAX]
+        gen = cluster.chat(system + history, max_tokens=args.max_tokens, temperature=args.temperature,
+                           top_p=args.top_p, seed=args.seed)
+        if args.json:
+            text = "".join(gen)
+            result = gen.result
+            print(json.dumps({"role": "assistant", "content": text, "finish": result.finish if result else None,
+                              "tokens": len(result.tokens) if result else None}), flush=True)
+        else:
+            result = _stream(gen, False)
+            text = result.text if result else ""
+        history.append({"role": "assistant", "content": text})
+    return EXIT_OK
+
+
+def _messages(message: str | None, interactive: bool) -> Iterator[str]:
+    """The user's messages: the one given, or one per line of stdin until EOF (or /exit)."""
+    if message is not None:
+        if not message.strip():
+            raise api.BadRequest("the message is empty")
+        yield message
+        return
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline(CHAT_LINE_CHARS_MAX + 1)
+        if not line or line.strip() in ("/exit", "/quit"):
+            return
+        if len(line) > CHAT_LINE_CHARS_MAX:
+            raise api.BadRequest(f"a message is longer than {CHAT_LINE_CHARS_MAX} characters")
+        if line.strip():
+            yield line.rstrip("\n")
+
+
+# ---------------------------------------------------------------------------------------
+# watch
+
+
+def _watch(args: argparse.Namespace, cluster: api.Client) -> int:
+    from p2pmesh import terminal
+
+    if args.count is not None and args.count < 1:
+        raise api.BadRequest("--count must be at least 1")
+    if args.interval <= 0:
+        raise api.BadRequest("--interval must be positive")
+    con = terminal.console()
+    seen = 0
+    bar: ProgressReport | None = None
+    try:
+        for event in cluster.watch(interval=args.interval):
+            if args.json:
+                print(json.dumps({"kind": str(event.kind), "detail": event.detail, "node_id": event.node_id,
+                                  "epoch": event.epoch, "ready": event.ready, "stages": event.stages}), flush=True)
+            elif event.kind in (api.EventKind.PLAN_COMMITTED, api.EventKind.REBALANCE_PROGRESS):
+                if bar is None:
+                    bar = ProgressReport(con, f"rebalancing to epoch {event.epoch}").__enter__()
+                bar.update(event.detail, event.ready or 0, event.stages or 0)
+            else:
+                if bar is not None:
+                    bar.__exit__(None, None, None)
+                    bar = None
+                style = "red" if event.kind == api.EventKind.MEMBER_DOWN else None
+                con.print(f"{event.kind.value:18} {event.detail}", style=style)
+            seen += 1
+            if args.count is not None and seen >= args.count:
+                break
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    return EXIT_OK

@@ -1,0 +1,115 @@
+"""What the CLI shows people: the committed cluster state (the same JSON `--json` prints)
+rendered with rich: members, the ring drawn with its cables and speeds, the placement, and
+progress bars for loading and rebalancing.
+
+Colour is decoration, never information: everything coloured is also said in words, and
+rich drops the styles when stdout is not a terminal (a pipe, a file) or NO_COLOR is set.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+SHORT_ID = 8
+TB_STYLE, SLOW_STYLE, DOWN_STYLE, OK_STYLE, DIM = "green", "yellow", "bold red", "green", "dim"
+
+
+def console(stream: TextIO | None = None) -> Console:
+    """A console for `stream` (stdout by default): styled on a terminal, plain in a pipe."""
+    return Console(file=stream or sys.stdout, highlight=False, soft_wrap=True, emoji=False)
+
+
+def short(node: str | None, me: str | None = None) -> str:
+    if not node:
+        return "none"
+    return node[:SHORT_ID] + (" (this Mac)" if node == me else "")
+
+
+def speed(gbps: float | None) -> str:
+    return f" {gbps:g} Gb/s" if gbps else ""
+
+
+def header(status: dict[str, Any]) -> Text:
+    t = Text()
+    t.append(f"node {short(status['node_id'])}", style="bold")
+    t.append(f"  role {status['role']}  cluster {status.get('cluster_id') or '-'}  term {status['term']}  ")
+    t.append(f"leader {short(status.get('leader'))}")
+    if not status.get("healthy", True):
+        t.append("  NO QUORUM (waiting for a leader)", style=DOWN_STYLE)
+    return t
+
+
+def members_table(status: dict[str, Any]) -> Table:
+    """One row per member: id, role, up or DOWN, addresses, ports."""
+    me, leader = status["node_id"], status.get("leader")
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
+    for col in ("member", "role", "state", "addresses", "ports"):
+        table.add_column(col)
+    for m in status["members"]:
+        role = "leader" if m["node_id"] == leader else ("voter" if m["voter"] else "learner (catching up)")
+        state = Text("up", style=OK_STYLE) if m["up"] else Text("DOWN", style=DOWN_STYLE)
+        ports = ", ".join(f"{p['interface']} {p['kind']}{speed(p.get('gbps'))}" + ("" if p.get("up", True) else " (down)")
+                          for p in m.get("ports", []))
+        table.add_row(short(m["node_id"], me), role, state, " ".join(m["addresses"]), ports or "-")
+    return table
+
+
+def ring_text(ring: dict[str, Any] | None, me: str | None = None) -> Text:
+    """The committed ring as a cycle of Macs joined by their cables: Thunderbolt hops as
+    double lines, slow hops (Ethernet, Wi-Fi, routed) as single lines, marked in words."""
+    order: list[str] = (ring or {}).get("order") or []
+    if not order:
+        return Text("ring: none committed yet")
+    assert ring is not None
+    n = len(order)
+    t = Text(f"ring epoch {ring['epoch']}: {n} node{'s' if n != 1 else ''}", style="bold")
+    if n == 1:
+        t.append(f"\n  {short(order[0], me)} (alone: no data-plane hops)", style="")
+        return t
+    for h in ring.get("hops", []):
+        tb = h["kind"] == "thunderbolt"
+        t.append(f"\n  {short(h['from'], me)} ")
+        t.append("════════" if tb else "────────", style=TB_STYLE if tb else SLOW_STYLE)
+        t.append(f" {short(h['to'], me)}  {h['kind']}{speed(h.get('gbps'))}")
+        if h.get("rtt_ms") is not None:
+            t.append(f", {h['rtt_ms']:g} ms")
+        if h.get("rdma"):
+            t.append(", RDMA")
+        if h.get("from_interface"):
+            t.append(f" [{h['from_interface']} -> {h['to_interface']}]", style=DIM)
+        if not tb:
+            t.append("   <- slow hop", style=SLOW_STYLE)
+    t.append(f"\n  back to {short(order[0], me)}; bottleneck {ring.get('bottleneck_gbps') or 0:g} Gb/s")
+    return t
+
+
+def placement_text(placement: dict[str, Any] | None, me: str | None = None) -> Text:
+    """The model's layers on the ring: the serving epoch's stages and a loading one."""
+    if not placement or not placement.get("model"):
+        return Text("model: none (load one with `p2pmesh load PATH|HF-ID`)")
+    t = Text(f"model {placement['model']}", style="bold")
+    serving = placement.get("serving")
+    t.append(f"  epoch {placement.get('epoch', 0)}  ")
+    t.append("serving" if serving else "not serving", style=OK_STYLE if serving else SLOW_STYLE)
+    for i, s in enumerate(placement.get("stages", [])):
+        start, end = s["layers"]
+        t.append(f"\n  stage {i}: {short(s['node_id'], me)} layers {start}-{end - 1} ({end - start})")
+    pending = placement.get("pending")
+    if pending:
+        ready, total = len(set(pending.get("ready", []))), len(pending.get("stages", []))
+        t.append(f"\n  loading epoch {pending['epoch']}: {ready} of {total} workers ready", style=SLOW_STYLE)
+    return t
+
+
+def status_view(status: dict[str, Any]) -> RenderableType:
+    parts: list[RenderableType] = [header(status), members_table(status)]
+    if status.get("ring"):
+        parts.append(ring_text(status["ring"], status["node_id"]))
+    parts.append(placement_text(status.get("placement"), status["node_id"]))
+    if status.get("requests_resumed"):
+        parts.append(Text(f"requests resumed on a new epoch so far: {status['requests_resumed']}"))
+    return Group(*parts)

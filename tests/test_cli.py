@@ -1,0 +1,163 @@
+"""The CLI's cluster and model commands against a real agent process and a real tiny model:
+`members`, `status`, `ring` (human and --json; colours only on a terminal), `load` with
+progress, `generate`, `chat` (one message and a conversation from stdin), `watch`, and the
+exit codes that mean something (1 no agent, 2 bad input, 3 cluster not ready)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import p2pmesh
+from tests.agent.harness import ROOT, AgentProc, free_port, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+ANSI = "\x1b["
+PROMPT = "the quick brown fox"
+READ_COMMANDS = [
+    ["status"], ["members"], ["ring"], ["links"], ["watch"], ["generate", "x"], ["chat", "x"], ["load", "m"],
+    ["plan", "solve", "s.json"], ["ring", "solve", "g.json"], ["local"], ["links", "parse", "--system-profiler", "f"],
+]
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProc]:
+    from p2pmesh.drivers.keys import write_key
+
+    tmp = tmp_path_factory.mktemp("cli")
+    write_key(tmp / "key", bytes(range(3, 35)))
+    a = AgentProc(tmp / "a", f"127.0.0.41:{free_port()}", key_file=tmp / "key",
+                  extra=["--no-mdns", "--data-port", str(random.Random().randrange(30000, 39000))])
+    a.state_dir.mkdir()
+    a.start()
+    try:
+        wait_for(lambda: _healthy(a.state_dir), 30, "a one-member cluster")
+        yield a
+    finally:
+        a.stop()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tiny_model import make_tiny_model
+
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    make_tiny_model(out, family="llama", layers=4, hidden=64, seed=5)
+    return out
+
+
+def _healthy(state_dir: Path) -> bool:
+    try:
+        return p2pmesh.connect(state_dir).status().healthy
+    except p2pmesh.AgentNotRunning:
+        return False
+
+
+def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None,
+        timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "p2pmesh", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, input=stdin, env={**os.environ, **(env or {})}, check=False)
+
+
+def ok(*args: str, **kw: object) -> str:
+    r = cli(*args, **kw)  # type: ignore[arg-type]
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_every_read_command_takes_json() -> None:
+    from p2pmesh.cli import _parser
+
+    parser = _parser()
+    for argv in READ_COMMANDS:
+        assert parser.parse_args([*argv, "--json"]).json is True, argv
+
+
+def test_no_agent_exit_1_and_says_how_to_start_one(tmp_path: Path) -> None:
+    for argv in (["status"], ["members"], ["generate", "hi"], ["chat", "hi"], ["load", str(tmp_path)]):
+        r = cli(*argv, "--state-dir", str(tmp_path))
+        assert r.returncode == 1, (argv, r.stderr)
+        assert "p2pmesh agent" in r.stderr and str(tmp_path / "agent.sock") in r.stderr, r.stderr
+
+
+def test_members_and_status_human_json_and_colour(agent: AgentProc) -> None:
+    target = ("--state-dir", str(agent.state_dir))
+    members = json.loads(ok("members", "--json", *target))
+    assert set(members) == {"leader", "term", "members"} and len(members["members"]) == 1
+    me = members["members"][0]["node_id"]
+    assert members["leader"] == me
+    plain = ok("members", *target)
+    assert me[:8] in plain and "leader" in plain and "up" in plain and ANSI not in plain  # a pipe: no colours
+    coloured = ok("members", *target, env={"FORCE_COLOR": "1", "TERM": "xterm-256color"})
+    assert ANSI in coloured and me[:8] in coloured  # a terminal: the same words, with colours
+    status = ok("status", *target)
+    assert f"node {me[:8]}" in status and "model: none" in status and ANSI not in status
+    assert json.loads(ok("status", "--json", *target))["node_id"] == me
+    assert json.loads(ok("ring", "--json", *target))["order"] == [me]
+    assert "ring epoch" in ok("ring", *target)
+
+
+def test_not_ready_and_bad_input_exit_codes(agent: AgentProc, tmp_path: Path) -> None:
+    target = ("--state-dir", str(agent.state_dir))
+    r = cli("generate", PROMPT, *target)
+    assert r.returncode == 3 and "load one first" in r.stderr, r.stderr
+    r = cli("chat", " ", *target)
+    assert r.returncode == 2 and "empty" in r.stderr, r.stderr
+    r = cli("watch", "--count", "0", *target)
+    assert r.returncode == 2 and "--count" in r.stderr
+
+
+def test_load_generate_chat_and_watch(agent: AgentProc, model: Path) -> None:
+    target = ("--state-dir", str(agent.state_dir))
+    lines = [json.loads(line) for line in ok("load", str(model), "--context-tokens", "256", "--json", *target).splitlines()]
+    progress, result = lines[:-1], lines[-1]
+    assert progress[0]["stage"] == "accepted" and progress[-1]["stage"] == "serving"
+    assert all(set(p) == {"model", "stage", "ready", "stages", "epoch", "detail"} for p in progress)
+    assert result["model"] == str(model) and result["layers"] == 4 and result["stages"][0]["layers"] == [0, 4]
+
+    human = ok("load", str(model), "--context-tokens", "256", *target)  # already serving: says so at once
+    assert f"serving {model}: 4 layers on 1 stage" in human and ANSI not in human
+
+    # generate: the human text is the JSON pieces joined, and the same as the client API's.
+    events = [json.loads(line) for line in ok("generate", PROMPT, "--max-tokens", "12", "--json", *target).splitlines()]
+    done = events[-1]
+    assert done["done"] is True and done["tokens"] == 12 and done["text"] == "".join(e["text"] for e in events[:-1])
+    assert ok("generate", PROMPT, "--max-tokens", "12", *target) == done["text"] + "\n"
+    with p2pmesh.connect(agent.state_dir) as c:
+        assert c.generate(PROMPT, max_tokens=12).collect().text == done["text"]
+        reply = c.chat([{"role": "user", "content": "hello"}], max_tokens=8).collect().text
+
+    one = json.loads(ok("chat", "hello", "--max-tokens", "8", "--json", *target))
+    assert one["role"] == "assistant" and one["content"] == reply and one["tokens"] == 8
+    # A conversation from stdin: two replies, the second with the first turn in its prompt.
+    turns = [json.loads(line) for line in ok("chat", "--max-tokens", "8", "--json", *target, stdin="hello\nand then?\n").splitlines()]
+    assert len(turns) == 2 and turns[0]["content"] == reply
+    with p2pmesh.connect(agent.state_dir) as c:
+        second = c.chat([{"role": "user", "content": "hello"}, {"role": "assistant", "content": reply},
+                         {"role": "user", "content": "and then?"}], max_tokens=8).collect().text
+    assert turns[1]["content"] == second
+
+    # watch: clearing the model is seen as an event, in JSON.
+    watcher = subprocess.Popen([sys.executable, "-m", "p2pmesh", "watch", "--json", "--count", "1", *target],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: watcher.poll() is None, 5, "the watcher")
+        import time
+
+        time.sleep(1.5)  # let it take its first status
+        assert ok("model", "clear", *target).strip() == "serving no model"
+        out, err = watcher.communicate(timeout=30)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait(timeout=5)
+    event = json.loads(out.splitlines()[0])
+    assert watcher.returncode == 0 and event["kind"] in ("model_changed", "plan_activated"), (out, err)
