@@ -1,11 +1,19 @@
 """`p2pmesh local --nodes N`: a cluster of N agents on this one computer, for trying p2pmesh
 and for development.
 
-Agents listen on loopback addresses 127.0.0.2, .3, ... (one each, the same port), know each
-other as static peers (no mDNS: nothing leaves the machine), keep their state in a fresh
-directory, and serve the HTTP API on 127.0.0.1 at consecutive ports. Each agent is printed
-once it answers (`--json`: one object per agent with state_dir, socket, pid, http), then
-`{"ready": true}` once they form one cluster. Ctrl-C or SIGTERM stops them all.
+Loopback (the default): agents listen on 127.0.0.2, .3, ... (one each, the same port), know
+each other as static peers (no mDNS: nothing leaves the machine), keep their state in a
+fresh directory, and serve the HTTP API on 127.0.0.1 at consecutive ports.
+
+`--netns` (root, Linux): each agent runs in its own network namespace, like a Mac of its
+own: the namespaces are cabled in a ring by veth pairs marked as Thunderbolt cables and
+share one Ethernet switch, and the agents find each other with zeroconf and build their
+ring from the cables, as on Macs. Each one's HTTP API is on 127.0.0.1:HTTP-PORT inside its
+namespace (`ip netns exec NAME curl ...`); its control socket is reachable from here.
+
+Each agent is printed once it answers (`--json`: one object per agent with state_dir,
+socket, pid, http, and netns in that mode), then `{"ready": true}` once they form one
+cluster. Ctrl-C or SIGTERM stops them all (and deletes the namespaces).
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +41,10 @@ def add_parser(subparsers: Any) -> None:
     local.add_argument("--model", default=None, help="serve this model once the cluster formed")
     local.add_argument("--dir", type=Path, default=None, help="state directories go here (default: a new temp dir)")
     local.add_argument("--http-port", type=int, default=7780, help="HTTP API of the first agent; the next ones count up")
+    local.add_argument("--memory-limit", type=int, default=None, metavar="BYTES",
+                       help="each agent offers at most this much memory for layers (spreads a small model over several)")
+    local.add_argument("--netns", action="store_true",
+                       help="one network namespace per agent, cabled in a ring (needs root; Linux)")
     local.add_argument("--json", action="store_true")
 
 
@@ -41,11 +54,60 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class Node:
+    """One agent of the local cluster, as printed."""
+
+    index: int
+    state_dir: Path
+    http: str
+    argv: tuple[str, ...]
+    netns: str | None = None
+
+    def row(self, pid: int) -> dict[str, Any]:
+        row: dict[str, Any] = {"state_dir": str(self.state_dir), "socket": str(self.state_dir / "agent.sock"),
+                               "pid": pid, "http": self.http}
+        if self.netns is not None:
+            row["netns"] = self.netns
+        return row
+
+
+def _loopback_nodes(args: argparse.Namespace, root: Path, key: Path, common: list[str]) -> list[Node]:
+    port = _free_port("127.0.0.2")
+    listens = [f"127.0.0.{i + 2}:{port}" for i in range(args.nodes)]
+    nodes = []
+    for i, listen in enumerate(listens):
+        state = root / f"agent{i}"
+        argv = [sys.executable, "-m", "p2pmesh", "agent", "--state-dir", str(state), "--listen", listen, "--no-mdns",
+                "--cluster-key-file", str(key), "--http", f"127.0.0.1:{args.http_port + i}",
+                "--data-port", str(40000 + (port % 1000) * 8), *common]
+        for peer in listens:
+            if peer != listen:
+                argv += ["--peer", peer]
+        nodes.append(Node(i, state, f"http://127.0.0.1:{args.http_port + i}", tuple(argv)))
+    return nodes
+
+
+def _netns_nodes(args: argparse.Namespace, root: Path, key: Path, common: list[str], bench: Any) -> list[Node]:
+    bench.lan()
+    bench.plug_ring(thunderbolt=True)
+    nodes = []
+    for i, host in enumerate(bench.hosts):
+        state = root / f"agent{i}"
+        argv = [*bench.exec_prefix(i), sys.executable, "-m", "p2pmesh", "agent", "--state-dir", str(state),
+                "--listen", ":7741", "--cluster-key-file", str(key), "--http", f"127.0.0.1:{args.http_port}", *common]
+        nodes.append(Node(i, state, f"http://127.0.0.1:{args.http_port}", tuple(argv), netns=host))
+    return nodes
+
+
 def run(args: argparse.Namespace) -> int:
-    from p2pmesh.drivers.control import ControlError, request
+    from p2pmesh import netns
 
     if not 1 <= args.nodes <= NODES_MAX:
         print(f"p2pmesh: --nodes must be between 1 and {NODES_MAX}", file=sys.stderr)
+        return 2
+    if args.netns and (why := netns.usable()) is not None:
+        print(f"p2pmesh: --netns: {why}; without --netns the agents share this computer's loopback", file=sys.stderr)
         return 2
     root = args.dir or Path(tempfile.mkdtemp(prefix="p2pmesh-local-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -54,8 +116,27 @@ def run(args: argparse.Namespace) -> int:
         from p2pmesh.drivers.keys import write_key
 
         write_key(key, os.urandom(32))
-    port = _free_port("127.0.0.2")
-    listens = [f"127.0.0.{i + 2}:{port}" for i in range(args.nodes)]
+    common = ["--memory-limit", str(args.memory_limit)] if args.memory_limit else []
+    bench = None
+    try:
+        if args.netns:
+            bench = netns.Bench.create(args.nodes, prefix="p2pl")
+            nodes = _netns_nodes(args, root, key, common, bench)
+        else:
+            nodes = _loopback_nodes(args, root, key, common)
+        return _serve(args, root, nodes)
+    except netns.NetnsError as exc:
+        print(f"p2pmesh: cannot build the namespaces: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if bench is not None:
+            bench.close()
+
+
+def _serve(args: argparse.Namespace, root: Path, nodes: list[Node]) -> int:
+    """Start the agents, report them, wait for one cluster, then until asked to stop."""
+    from p2pmesh.drivers.control import ControlError, request
+
     procs: list[subprocess.Popen[bytes]] = []
     stopping = False
 
@@ -66,38 +147,31 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        for i, listen in enumerate(listens):
-            state = root / f"agent{i}"
-            state.mkdir(exist_ok=True)
-            cmd = [sys.executable, "-m", "p2pmesh", "agent", "--state-dir", str(state), "--listen", listen, "--no-mdns",
-                   "--cluster-key-file", str(key), "--http", f"127.0.0.1:{args.http_port + i}",
-                   "--data-port", str(40000 + (port % 1000) * 8)]
-            for peer in listens:
-                if peer != listen:
-                    cmd += ["--peer", peer]
-            log = open(root / f"agent{i}.log", "ab")  # noqa: SIM115 - owned by the child
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True))
+        for node in nodes:
+            node.state_dir.mkdir(exist_ok=True)
+            log = open(root / f"agent{node.index}.log", "ab")  # noqa: SIM115 - owned by the child
+            procs.append(subprocess.Popen(node.argv, stdout=log, stderr=log, start_new_session=True))
             log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         shown: set[int] = set()
         ready = False
         while not stopping and time.monotonic() < deadline and not ready:
             statuses = []
-            for i, p in enumerate(procs):
+            for node, p in zip(nodes, procs):
                 if p.poll() is not None:
-                    print(f"p2pmesh: agent {i} exited with {p.returncode}; see {root / f'agent{i}.log'}", file=sys.stderr)
+                    print(f"p2pmesh: agent {node.index} exited with {p.returncode}; see {root / f'agent{node.index}.log'}", file=sys.stderr)
                     return 1
                 try:
-                    status = request(root / f"agent{i}" / "agent.sock", "status", timeout_s=2.0)["status"]
+                    status = request(node.state_dir / "agent.sock", "status", timeout_s=2.0)["status"]
                 except ControlError:
                     statuses.append(None)
                     continue
                 statuses.append(status)
-                if i not in shown:
-                    shown.add(i)
-                    row = {"state_dir": str(root / f"agent{i}"), "socket": str(root / f"agent{i}" / "agent.sock"),
-                           "pid": p.pid, "http": f"http://127.0.0.1:{args.http_port + i}"}
-                    print(json.dumps(row) if args.json else f"agent {i}: pid {p.pid}, {row['socket']}, {row['http']}", flush=True)
+                if node.index not in shown:
+                    shown.add(node.index)
+                    row = node.row(p.pid)
+                    where = f" (namespace {node.netns})" if node.netns else ""
+                    print(json.dumps(row) if args.json else f"agent {node.index}: pid {p.pid}, {row['socket']}, {row['http']}{where}", flush=True)
             ready = all(s is not None for s in statuses) and len({s["cluster_id"] for s in statuses}) == 1 and all(  # type: ignore[index]
                 len(s["members"]) == args.nodes for s in statuses  # type: ignore[index]
             )
@@ -109,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(json.dumps({"ready": True}) if args.json else f"ready: one cluster of {args.nodes} (Ctrl-C stops it)", flush=True)
         if args.model:
-            answer = request(root / "agent0" / "agent.sock", "model", timeout_s=3600.0, name=args.model)
+            from p2pmesh.client import model_name
+
+            answer = request(nodes[0].state_dir / "agent.sock", "model", timeout_s=3600.0, name=model_name(args.model))
             print(json.dumps({"model": answer.get("model")}) if args.json else f"serving {args.model}", flush=True)
         while not stopping and all(p.poll() is None for p in procs):
             time.sleep(POLL_S)

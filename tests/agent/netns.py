@@ -1,139 +1,26 @@
-"""Linux network namespaces as Macs and veth pairs as Thunderbolt cables.
-
-Only namespaces and links this module created are touched; every name carries a per-run
-prefix and everything is deleted on close. Needs root (CI runs as root); tests skip with a
-reason when it is missing, except in CI where they must run.
-"""
+"""The namespace bench (p2pmesh/netns.py) for tests: skip without root outside CI, fail in
+CI where these tests must run; agents started inside the bench's hosts."""
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from p2pmesh.core.linux_links import bench_alias, bench_lan_alias
+from p2pmesh import netns
+from p2pmesh.netns import Cable, ip  # noqa: F401 - re-exported for the tests
 from tests.agent.harness import AgentProc
-
-IP_TIMEOUT_S = 10
 
 
 def require_root() -> None:
-    ok = os.geteuid() == 0 and shutil.which("ip") is not None
-    if not ok:
+    why = netns.usable()
+    if why is not None:
         if os.environ.get("CI"):
-            raise AssertionError("namespace tests must run in CI: run as root with iproute2 installed")
-        pytest.skip("needs root and iproute2 (ip netns); CI runs these")
-    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=IP_TIMEOUT_S)
-    if probe.returncode != 0:
-        if os.environ.get("CI"):
-            raise AssertionError(f"ip netns does not work here: {probe.stderr}")
-        pytest.skip(f"ip netns does not work here: {probe.stderr.strip()}")
+            raise AssertionError(f"namespace tests must run in CI: {why}")
+        pytest.skip(f"{why}; CI runs these")
 
 
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)} failed: {r.stderr.strip()}")
-    return r
-
-
-@dataclass
-class Cable:
-    a: str
-    b: str
-    dev_a: str
-    dev_b: str
-    addr_a: str
-    addr_b: str
-
-
-@dataclass
-class Bench:
-    """A set of namespaces ("hosts") joined by veth "cables"."""
-
-    prefix: str
-    hosts: list[str] = field(default_factory=list)
-    cables: list[Cable] = field(default_factory=list)
-    switch: str | None = None
-    """The namespace holding the LAN's bridge, once ``lan()`` made one."""
-
-    @classmethod
-    def create(cls, count: int) -> Bench:
-        bench = cls(prefix=f"p2pm{os.getpid() % 100000}")
-        try:
-            for i in range(count):
-                name = f"{bench.prefix}h{i}"
-                ip("netns", "add", name)
-                bench.hosts.append(name)
-                ip("-n", name, "link", "set", "lo", "up")
-        except Exception:
-            bench.close()
-            raise
-        return bench
-
-    def plug(self, i: int, j: int, *, ipv4: bool = True, thunderbolt: bool = False, gbps: float = 40.0) -> Cable:
-        """A veth "cable" between hosts i and j. With ``thunderbolt`` both ends carry the
-        ifalias marker the link watcher reads as a Thunderbolt port (each end's own domain
-        UUID and the far end's), so the agents pair the ends exactly as on Macs."""
-        n = len(self.cables)
-        a, b = self.hosts[i], self.hosts[j]
-        dev_a, dev_b = f"tb{n}a{i}", f"tb{n}b{j}"
-        ip("link", "add", dev_a, "netns", a, "type", "veth", "peer", "name", dev_b, "netns", b)
-        addr_a, addr_b = f"10.77.{n}.1", f"10.77.{n}.2"
-        if ipv4:
-            ip("-n", a, "addr", "add", f"{addr_a}/30", "dev", dev_a)
-            ip("-n", b, "addr", "add", f"{addr_b}/30", "dev", dev_b)
-        if thunderbolt:
-            uuid_a, uuid_b = _domain_uuid(i, n), _domain_uuid(j, n)
-            ip("-n", a, "link", "set", "dev", dev_a, "alias", bench_alias(uuid_a, uuid_b, gbps))
-            ip("-n", b, "link", "set", "dev", dev_b, "alias", bench_alias(uuid_b, uuid_a, gbps))
-        ip("-n", a, "link", "set", dev_a, "up", "multicast", "on")
-        ip("-n", b, "link", "set", dev_b, "up", "multicast", "on")
-        cable = Cable(a, b, dev_a, dev_b, addr_a, addr_b)
-        self.cables.append(cable)
-        return cable
-
-    def lan(self) -> None:
-        """An Ethernet switch every host is wired to (10.99.0.i/24), the control plane's
-        path between hosts that no cable joins, like the home network of real Macs."""
-        self.switch = f"{self.prefix}sw"
-        ip("netns", "add", self.switch)
-        ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        ip("-n", self.switch, "link", "set", "br0", "up")
-        for i, host in enumerate(self.hosts):
-            ip("link", "add", f"lan{i}", "netns", host, "type", "veth", "peer", "name", f"sw{i}", "netns", self.switch)
-            ip("-n", self.switch, "link", "set", f"sw{i}", "master", "br0", "up")
-            ip("-n", host, "addr", "add", f"10.99.0.{i + 1}/24", "dev", f"lan{i}")
-            ip("-n", host, "link", "set", "dev", f"lan{i}", "alias", bench_lan_alias(10.0))
-            ip("-n", host, "link", "set", f"lan{i}", "up", "multicast", "on")
-
-    def set_link(self, cable: Cable, up: bool) -> None:
-        state = "up" if up else "down"
-        ip("-n", cable.a, "link", "set", cable.dev_a, state)
-        ip("-n", cable.b, "link", "set", cable.dev_b, state)
-
-    def addresses(self, i: int) -> list[str]:
-        host = self.hosts[i]
-        out = []
-        for c in self.cables:
-            if c.a == host:
-                out.append(c.addr_a)
-            elif c.b == host:
-                out.append(c.addr_b)
-        return out
-
-    def exec_prefix(self, i: int) -> list[str]:
-        return ["ip", "netns", "exec", self.hosts[i]]
-
-    def plug_full_mesh(self) -> None:
-        """A cable between every pair of hosts."""
-        for i in range(len(self.hosts)):
-            for j in range(i + 1, len(self.hosts)):
-                self.plug(i, j)
-
+class Bench(netns.Bench):
     def agents(self, root: Path, key: Path, tag: str = "n") -> list[AgentProc]:
         """One (not yet started) agent per host, state under ``root``. ":7741" binds every
         address inside the host's own namespace (its cables only), so links plugged later
@@ -144,14 +31,3 @@ class Bench:
             state.mkdir(exist_ok=True)
             out.append(AgentProc(state, "", key_file=key, extra=[], prefix=self.exec_prefix(i), listens=[":7741"]))
         return out
-
-    def close(self) -> None:
-        for name in [*self.hosts, *([self.switch] if self.switch else [])]:
-            ip("netns", "del", name, check=False)
-        self.hosts.clear()
-        self.switch = None
-
-
-def _domain_uuid(host: int, cable: int) -> str:
-    """A stable, UUID-shaped Thunderbolt domain id for one port of one bench host."""
-    return f"00000000-0000-4000-{host:04x}-{cable:012x}"
