@@ -72,20 +72,28 @@ class Node:
         return row
 
 
-def _loopback_nodes(args: argparse.Namespace, root: Path, key: Path, common: list[str]) -> list[Node]:
+def loopback_nodes(count: int, root: Path, key: Path, http_port: int, extra: list[str]) -> list[Node]:
+    """`count` agents on 127.0.0.2, .3, ... that know each other as static peers."""
     port = _free_port("127.0.0.2")
-    listens = [f"127.0.0.{i + 2}:{port}" for i in range(args.nodes)]
+    listens = [f"127.0.0.{i + 2}:{port}" for i in range(count)]
     nodes = []
     for i, listen in enumerate(listens):
         state = root / f"agent{i}"
         argv = [sys.executable, "-m", "p2pmesh", "agent", "--state-dir", str(state), "--listen", listen, "--no-mdns",
-                "--cluster-key-file", str(key), "--http", f"127.0.0.1:{args.http_port + i}",
-                "--data-port", str(40000 + (port % 1000) * 8), *common]
+                "--cluster-key-file", str(key), "--http", f"127.0.0.1:{http_port + i}",
+                "--data-port", str(40000 + (port % 1000) * 8), *extra]
         for peer in listens:
             if peer != listen:
                 argv += ["--peer", peer]
-        nodes.append(Node(i, state, f"http://127.0.0.1:{args.http_port + i}", tuple(argv)))
+        nodes.append(Node(i, state, f"http://127.0.0.1:{http_port + i}", tuple(argv)))
     return nodes
+
+
+def start(node: Node, root: Path) -> subprocess.Popen[bytes]:
+    """Start one agent, its output appended to ROOT/agentI.log."""
+    node.state_dir.mkdir(exist_ok=True)
+    with open(root / f"agent{node.index}.log", "ab") as log:
+        return subprocess.Popen(node.argv, stdout=log, stderr=log, start_new_session=True)
 
 
 def _netns_nodes(args: argparse.Namespace, root: Path, key: Path, common: list[str], bench: Any) -> list[Node]:
@@ -123,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             bench = netns.Bench.create(args.nodes, prefix="p2pl")
             nodes = _netns_nodes(args, root, key, common, bench)
         else:
-            nodes = _loopback_nodes(args, root, key, common)
+            nodes = loopback_nodes(args.nodes, root, key, args.http_port, common)
         return _serve(args, root, nodes)
     except netns.NetnsError as exc:
         print(f"p2pmesh: cannot build the namespaces: {exc}", file=sys.stderr)
@@ -147,11 +155,7 @@ def _serve(args: argparse.Namespace, root: Path, nodes: list[Node]) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        for node in nodes:
-            node.state_dir.mkdir(exist_ok=True)
-            log = open(root / f"agent{node.index}.log", "ab")  # noqa: SIM115 - owned by the child
-            procs.append(subprocess.Popen(node.argv, stdout=log, stderr=log, start_new_session=True))
-            log.close()
+        procs.extend(start(node, root) for node in nodes)
         deadline = time.monotonic() + START_TIMEOUT_S
         shown: set[int] = set()
         ready = False
