@@ -20,7 +20,8 @@ TB_STYLE, SLOW_STYLE, DOWN_STYLE, OK_STYLE, DIM = "green", "yellow", "bold red",
 
 def console(stream: TextIO | None = None) -> Console:
     """A console for `stream` (stdout by default): styled on a terminal, plain in a pipe."""
-    return Console(file=stream or sys.stdout, highlight=False, soft_wrap=True, emoji=False)
+    # markup=False: text from the cluster (model names, generated text) may hold [brackets].
+    return Console(file=stream or sys.stdout, highlight=False, soft_wrap=True, emoji=False, markup=False)
 
 
 def short(node: str | None, me: str | None = None) -> str:
