@@ -1,21 +1,28 @@
-"""The `p2pmesh` command line.
+"""The `p2pmesh` command line. Every read command takes --json (the same objects the
+client API and the HTTP API are built from); the human output is drawn with rich and is
+plain text in a pipe.
 
   p2pmesh agent [--state-dir DIR] [--listen HOST:PORT] [--interface NAME]... [--peer HOST:PORT]...
-                [--cluster-key-file FILE] [--advertise HOST:PORT]... [--leave-on-exit]
-                [--log-level LEVEL] [--log-format text|json]
-  p2pmesh status [--state-dir DIR | --socket PATH] [--json]
-  p2pmesh ring [--state-dir DIR | --socket PATH] [--json]     (the committed ring, drawn)
+                [--cluster-key-file FILE] [--advertise HOST:PORT]... [--leave-on-exit] [--http HOST:PORT]
+                [--memory-limit BYTES] [--configure-links] [--log-level LEVEL] [--log-format text|json]
+  p2pmesh status | members [--state-dir DIR | --socket PATH] [--json]
+  p2pmesh ring [--json | --mlx-hostfile | --jaccl]          (the committed ring, drawn with its cables)
   p2pmesh ring solve GRAPH.json [--json]                      (plan a cabling)
-  p2pmesh leave  [--state-dir DIR | --socket PATH]
-  p2pmesh links [--json] | links parse|plan|apply ...
-  p2pmesh model set NAME [--context-tokens N] | model clear
+  p2pmesh load MODEL [--context-tokens N] [--json]            (serve a model; a progress bar until it serves)
+  p2pmesh model set NAME [--context-tokens N] | model clear   (commit a model choice and return)
   p2pmesh generate PROMPT [--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--json]
-  p2pmesh local --nodes N [--model PATH] [--json]            (N agents on this computer)
+  p2pmesh chat [MESSAGE] [--system TEXT] [--json]             (one message, or one per line of stdin)
+  p2pmesh watch [--json] [--count N]                          (members, leader, ring, rebalancing, live)
+  p2pmesh leave [--timeout S]
+  p2pmesh links [--json] | links parse|plan|apply ...
   p2pmesh plan solve SCENARIO.json [--json] [--strategy ours|memory-proportional]
-  p2pmesh key show [--state-dir DIR]
-  p2pmesh key set KEY [--state-dir DIR]
+  p2pmesh doctor [--json] [--interface NAME]...               (checks this Mac and says what to fix)
+  p2pmesh local --nodes N [--model PATH] [--netns] [--json]   (N agents on this computer)
+  p2pmesh service install | uninstall | status [--json]       (start the agent at login)
+  p2pmesh key show | key set KEY [--state-dir DIR]
 
-Exit codes: 0 success, 1 the agent is not reachable or refused, 2 bad usage or input.
+Exit codes: 0 success; 1 the agent is not reachable, failed or refused; 2 bad usage or
+input; 3 the cluster is not ready (no quorum in time, no model loaded).
 """
 from __future__ import annotations
 
@@ -91,11 +98,12 @@ def _parser() -> argparse.ArgumentParser:
     solve.add_argument("graph", type=Path, help="GRAPH.json: {\"nodes\": [...], \"links\": [...]}")
     solve.add_argument("--json", action="store_true")
 
-    from p2pmesh import links_cmd, local_cmd, plan_cmd
+    from p2pmesh import links_cmd, local_cmd, plan_cmd, service_cmd
 
     links_cmd.add_parser(sub)
     plan_cmd.add_parser(sub)
     local_cmd.add_parser(sub)
+    service_cmd.add_parser(sub)
 
     from p2pmesh import model_cmd
 
@@ -135,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         from p2pmesh import plan_cmd
 
         return plan_cmd.run(args)
+    if args.command == "service":
+        from p2pmesh import service_cmd
+
+        return service_cmd.run(args)
     return _key(args)
 
 
