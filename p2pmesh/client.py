@@ -462,9 +462,9 @@ def _p_healthy(timeout_s: float) -> _Plan[Status]:
 
 
 def _p_model_set(name: str, context_tokens: int, deadline: float) -> _Plan[dict[str, Any]]:
-    """Send the model op. The agent cuts any request after 10 s, and resolving a model it
-    has to download takes longer: the connection then closes unanswered, and the download
-    (which finishes in the agent's thread anyway) is in the cache for the next try."""
+    """Send the model op (the agent may first download the model: it allows that hours).
+    A connection that closes unanswered (the agent restarted) is retried until the
+    deadline; a finished download is in the cache for the next try."""
     while True:
         now = yield _Clock()
         answer = yield _Ask({"op": "model", "name": name, "context_tokens": context_tokens}, max(1.0, deadline - now),

@@ -72,10 +72,24 @@ class Node:
         return row
 
 
+class LoopbackMissing(OSError):
+    """This computer has no 127.0.0.N address beyond 127.0.0.1 (macOS configures only that
+    one); the message says how to add them."""
+
+
 def loopback_nodes(count: int, root: Path, key: Path, http_port: int, extra: list[str]) -> list[Node]:
     """`count` agents on 127.0.0.2, .3, ... that know each other as static peers."""
-    port = _free_port("127.0.0.2")
-    listens = [f"127.0.0.{i + 2}:{port}" for i in range(count)]
+    hosts = [f"127.0.0.{i + 2}" for i in range(count)]
+    for host in hosts:
+        try:
+            _free_port(host)
+        except OSError:
+            raise LoopbackMissing(
+                f"cannot bind {host}: each local agent needs a loopback address of its own (Linux has all of "
+                f"127.0.0.0/8; on macOS add them with `sudo ifconfig lo0 alias {host} up` for 127.0.0.2 to "
+                f"127.0.0.{count + 1})") from None
+    port = _free_port(hosts[0])
+    listens = [f"{host}:{port}" for host in hosts]
     nodes = []
     for i, listen in enumerate(listens):
         state = root / f"agent{i}"
@@ -135,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         return _serve(args, root, nodes)
     except netns.NetnsError as exc:
         print(f"p2pmesh: cannot build the namespaces: {exc}", file=sys.stderr)
+        return 1
+    except LoopbackMissing as exc:
+        print(f"p2pmesh: {exc}", file=sys.stderr)
         return 1
     finally:
         if bench is not None:

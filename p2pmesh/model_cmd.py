@@ -171,7 +171,9 @@ def _model(args: argparse.Namespace, cluster: api.Client) -> int:
         print(f"p2pmesh: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     model = answer.get("model")
-    print(f"serving {model['name']} ({model['layers']} layers)" if model else "serving no model")
+    # The op returns once the agent proposed the choice, before it commits: say so.
+    print(f"asked the cluster to serve {model['name']} ({model['layers']} layers); `p2pmesh load` waits until "
+          "it serves, `p2pmesh status` shows the placement" if model else "asked the cluster to serve no model")
     return EXIT_OK
 
 

@@ -154,7 +154,7 @@ def test_load_generate_chat_and_watch(agent: AgentProc, model: Path) -> None:
         import time
 
         time.sleep(1.5)  # let it take its first status
-        assert ok("model", "clear", *target).strip() == "serving no model"
+        assert ok("model", "clear", *target).strip() == "asked the cluster to serve no model"
         out, err = watcher.communicate(timeout=30)
     finally:
         if watcher.poll() is None:
