@@ -152,7 +152,7 @@ class Supervisor:
 
     async def _start(self, nursery: trio.Nursery, want: dataplane.WantedWorker, hops: Any) -> None:
         cfg_dir = self.agent.config.state_dir / "workers"
-        cfg_dir.mkdir(parents=True, exist_ok=True)
+        cfg_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # hostfiles and worker logs: the owner's only
         env = dict(os.environ)
         stages = [[s.start, s.end] for s in want.stages]
         backend = "ring"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,6 +280,15 @@ def _replay(data: bytes, path: Path) -> tuple[_State, int]:
 # --------------------------------------------------------------------------------------
 
 
+def _tighten(state_dir: Path) -> None:
+    """A state directory made before the agent's first start (`key set` under a loose umask,
+    a user's mkdir) is closed to others: the wal, key and control socket are the owner's.
+    Only a directory of our own and without the sticky bit (never a shared one like /tmp)."""
+    st = state_dir.stat()
+    if st.st_mode & 0o077 and st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX:
+        os.chmod(state_dir, 0o700)
+
+
 class Storage:
     """The durable state of one node. Not thread-safe: the agent calls it from one task
     at a time (through trio.to_thread, one call after the other)."""
@@ -305,6 +315,8 @@ class Storage:
         if not state_dir.exists():
             state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             fsync_dir(state_dir.parent)
+        else:
+            _tighten(state_dir)
         lock_fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         wal_fd = -1
         try:
