@@ -41,6 +41,8 @@ DIAL_BACKOFF_MIN_S = 0.05
 DIAL_BACKOFF_MAX_S = 2.0
 DIAL_ATTEMPTS_MAX = 100_000
 CONNECTIONS_MAX = 256
+REFUSAL_LOG_HOSTS_MAX = 1024
+"""Remote hosts whose last refusal time is remembered (for the once-a-minute warning)."""
 _LEN = struct.Struct(">I")
 
 
@@ -280,9 +282,14 @@ class Transport:
                 await self.inbox.send(FrameReceived(conn.peer, data))
 
     def _log_refusal(self, remote: str, exc: BaseException) -> None:
+        # Once a minute per remote host: its port is ephemeral, so a peer with the wrong
+        # key retrying every second is one host, one line. The table is bounded too.
+        host = remote.rpartition(":")[0] or remote
         now = trio.current_time()
-        if now - self._last_refusal_log.get(remote, -1e9) >= 60.0:
-            self._last_refusal_log[remote] = now
+        if now - self._last_refusal_log.get(host, -1e9) >= 60.0:
+            if len(self._last_refusal_log) >= REFUSAL_LOG_HOSTS_MAX:
+                self._last_refusal_log.clear()
+            self._last_refusal_log[host] = now
             log.warning("refused connection from %s: %s (cluster key or identity mismatch?)", remote, exc)
 
 
