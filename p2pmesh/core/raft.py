@@ -288,11 +288,13 @@ class Raft:
         """Append a command if we lead and the membership rules allow it.
 
         Returns the entry's index, or None when refused (not leader, a transfer in
-        progress, or a config change while another is pending or before our own term
-        has committed an entry).
+        progress, proposals_pending_max entries not yet committed, or a config change
+        while another is pending or before our own term has committed an entry).
         """
         if self.role is not Role.LEADER or self.transfer_to is not None:
             return None
+        if self.log.last_index - self.commit >= self.settings.proposals_pending_max:
+            return None  # a minority leader or a flood of forwarded proposals: the log stays bounded
         if isinstance(command, CONFIG_COMMANDS) and not (self.config_change_allowed() and self._changes_config(command)):
             return None
         index = self._append(command)
@@ -453,7 +455,10 @@ class Raft:
         elif isinstance(m, ReadIndexResponse):
             self._on_read_response(m)
         elif isinstance(m, ForwardProposal):
-            if self.role is Role.LEADER and validate.forwarded_problem(m.command, src.node_id) is None:
+            # Only a member at its current incarnation may forward: a removed one (or its old
+            # incarnation) no longer writes to the cluster.
+            member = src in self.config.voters or src in self.config.learners
+            if self.role is Role.LEADER and member and validate.forwarded_problem(m.command, src.node_id) is None:
                 self.propose(m.command, now_ms)
 
     def _in_lease(self, now_ms: int) -> bool:

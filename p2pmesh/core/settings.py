@@ -40,6 +40,8 @@ class Settings:
     """A leaving Mac that holds model layers waits at most this long for a placement
     without it to take over (make before break) before it leaves anyway."""
     proposals_pending_max: int = 1_024
+    """Uncommitted entries a leader holds at most; further proposals are refused until
+    some commit (bounds the log against a flood of forwarded proposals)."""
     reads_pending_max: int = 1_024
     peers_known_max: int = 256
 

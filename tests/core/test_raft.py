@@ -7,6 +7,8 @@ codec, and delivered one at a time with an explicit ``now_ms``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -639,6 +641,23 @@ def test_followers_refuse_proposals_and_forward_reaches_the_leader() -> None:
     net.deliver_all()
     net.advance(60)
     assert dict(net[3].state.kv) == {"x": "y"}
+
+
+def test_a_leader_holds_at_most_proposals_pending_max_uncommitted_entries() -> None:
+    """A leader cut off from its followers (or flooded with forwarded proposals) refuses
+    proposals once proposals_pending_max entries wait to commit; the log stays bounded,
+    and proposals are taken again once entries commit."""
+    net = make_net(3, settings=dataclasses.replace(S, proposals_pending_max=8))
+    a = elect(net, 1)
+    net.isolate(2)
+    net.isolate(3)
+    accepted = [a.propose(Put(f"k{i}", "v"), net.now) for i in range(12)]
+    assert sum(i is not None for i in accepted) == 8 and accepted[8:] == [None] * 4
+    assert a.log.last_index - a.commit == 8
+    net.heal()
+    net.deliver_all()
+    net.advance(S.heartbeat_ms + 10)
+    assert a.commit == a.log.last_index and a.propose(Put("after", "v"), net.now) is not None
 
 
 def test_commit_only_of_current_term_entries() -> None:
