@@ -98,8 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     solve.add_argument("graph", type=Path, help="GRAPH.json: {\"nodes\": [...], \"links\": [...]}")
     solve.add_argument("--json", action="store_true")
 
-    from p2pmesh import links_cmd, local_cmd, plan_cmd, service_cmd
+    from p2pmesh import doctor_cmd, links_cmd, local_cmd, plan_cmd, service_cmd
 
+    doctor_cmd.add_parser(sub)
     links_cmd.add_parser(sub)
     plan_cmd.add_parser(sub)
     local_cmd.add_parser(sub)
@@ -143,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         from p2pmesh import plan_cmd
 
         return plan_cmd.run(args)
+    if args.command == "doctor":
+        from p2pmesh import doctor_cmd
+
+        return doctor_cmd.run(args)
     if args.command == "service":
         from p2pmesh import service_cmd
 

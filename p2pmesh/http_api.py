@@ -485,6 +485,8 @@ class HttpApi:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise _bad(f"the body is not valid JSON: {exc}") from None
+        except RecursionError:  # json's parser recurses: a few thousand brackets are enough
+            raise _bad("the body is not valid JSON: it is nested too deeply") from None
         if not isinstance(body, dict):
             raise _bad("the body must be a JSON object")
         return body

@@ -24,7 +24,7 @@ PROMPT = "the quick brown fox"
 READ_COMMANDS = [
     ["status"], ["members"], ["ring"], ["links"], ["watch"], ["generate", "x"], ["chat", "x"], ["load", "m"],
     ["plan", "solve", "s.json"], ["ring", "solve", "g.json"], ["local"], ["links", "parse", "--system-profiler", "f"],
-    ["service", "status"],
+    ["service", "status"], ["doctor"],
 ]
 
 

@@ -58,6 +58,8 @@ def write_key(path: Path, key: bytes) -> None:
 def read_key(path: Path) -> bytes:
     try:
         return parse_key(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise KeyError_(f"{path}: not a cluster key (the file is not text)") from None
     except KeyError_ as exc:
         raise KeyError_(f"{path}: {exc}") from None
 

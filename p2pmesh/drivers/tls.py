@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -122,7 +123,11 @@ def peer_node_id(der_cert: bytes | None) -> NodeId:
     """The node id proven by a peer's (already CA-verified) certificate."""
     if not der_cert:
         raise RemoteProtocolError("peer presented no certificate")
-    key = x509.load_der_x509_certificate(der_cert).public_key()
+    try:
+        key = x509.load_der_x509_certificate(der_cert).public_key()
+    except (ValueError, UnsupportedAlgorithm, x509.InvalidVersion) as exc:
+        # Unreadable, or a key type cryptography does not know: either way no node id.
+        raise RemoteProtocolError(f"peer certificate cannot be read ({exc.__class__.__name__})") from None
     if not isinstance(key, Ed25519PublicKey):
         raise RemoteProtocolError("peer certificate does not carry an Ed25519 key")
     return node_id_from_public_key(key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))

@@ -1,0 +1,991 @@
+"""`p2pmesh doctor`'s judgement (pure): facts about this machine in, one Check per topic out.
+
+Theory of operation. The driver (p2pmesh/doctor_cmd.py) runs bounded commands, reads a few
+files and probes mDNS; it hands what it got to the ``check_*`` functions here, raw command
+output wrapped in ``Output`` (the text, or why there is none). A check turns its facts into
+``Finding``s, one observation each with a one-line summary and, when something is wrong, a
+concrete fix, and folds them into one ``Check``. Statuses rank skip < ok < warn < fail and a
+check is as bad as its worst finding; only ``fail`` makes `p2pmesh doctor` exit 1.
+
+Parsing reuses core/thunderbolt.py, core/linux_links.py, core/addressing.py and
+core/advert.py. The parsers added here cover socketfilterfw, iptables-save, `nft list
+ruleset`, vm_stat, sysctl, /proc/meminfo, sw_vers, rdma_ctl and the MLX probe's JSON. A
+missing tool is a ``skip`` with the reason; malformed output is a finding naming the command,
+never an exception.
+
+Deliberately not here: running anything, reading the clock, choosing which interfaces to
+probe, or changing anything on the machine (every fix is a suggestion for the user).
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from p2pmesh.core.addressing import (
+    AddressingError,
+    bridge_warnings,
+    parse_ifconfig_bridge_members,
+    ring_from_status,
+    unaddressed_hops,
+)
+from p2pmesh.core.advert import compatible, parse_txt
+from p2pmesh.core.errors import RemoteProtocolError
+from p2pmesh.core.linux_links import linux_ports, macos_ports, parse_ifconfig, parse_ibv_devices
+from p2pmesh.core.messages import PortInfo
+from p2pmesh.core.thunderbolt import CaptureError, TbPort, local_ports, parse_networksetup, parse_system_profiler
+from p2pmesh.core.wire import PROTOCOL_VERSION
+
+Status = Literal["ok", "warn", "fail", "skip"]
+_RANK: dict[str, int] = {"skip": 0, "ok": 1, "warn": 2, "fail": 3}
+CHECK_NAMES = ("thunderbolt", "addresses", "bridge", "rdma", "firewall", "mdns", "mlx", "memory", "agent")
+
+FIREWALL_TOOL = "/usr/libexec/ApplicationFirewall/socketfilterfw"
+TEXT_CHARS_MAX = 4_000_000  # any single output we judge; real ones are a few KB
+GIB = 1024**3
+MEMORY_LOW_FRACTION = 0.15
+MEMORY_LOW_BYTES = 2 * GIB
+OS_RESERVE_BYTES = 4 * GIB  # what a raised GPU wired limit must leave to macOS
+RDMA_MACOS = (26, 2)  # TN3205: RDMA over Thunderbolt starts with macOS 26.2
+TB5_GBPS = 80.0
+SLOW_LINK_GBPS = 40.0
+REPORT_FIX = "please report it with the command's output attached"
+ADDRESS_FIX = ("with the agent running and the ring committed, `p2pmesh links plan` shows the commands and "
+               "`sudo p2pmesh links apply` runs them (undone at reboot); or start the agent with --configure-links")
+RECOVERY_FIX = ("RDMA can only be enabled from Recovery: shut the Mac down, hold the power button until the startup "
+                "options appear, choose Options, open Utilities > Terminal, run `rdma_ctl enable`, then restart. "
+                "Do it on every Mac of the ring")
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What one command (or file) gave: its text, or why there is none."""
+
+    text: str | None
+    error: str | None = None
+    missing: bool = False
+    """The tool is not installed: checks that need it are skipped, not failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One observation of a check."""
+
+    status: Status
+    summary: str
+    fix: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """The verdict on one topic: the worst of its findings."""
+
+    name: str
+    status: Status
+    summary: str
+    fix: str | None = None
+    details: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "status": self.status, "summary": self.summary}
+        if self.fix:
+            out["fix"] = self.fix
+        if self.details:
+            out["details"] = list(self.details)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class MacFacts:
+    """The raw outputs every link check on a Mac reads (each parsed where it is needed)."""
+
+    system_profiler: Output
+    networksetup: Output
+    ifconfig: Output
+    ibv_devices: Output
+    rdma_ctl: Output
+    os_version: Output
+
+
+@dataclass(frozen=True, slots=True)
+class LinuxFacts:
+    """A sysfs snapshot (core/linux_links.py's format), `ip -j -4 addr show`, and bridges."""
+
+    sysfs: Mapping[str, str] | None
+    ip_addr: Output
+    thunderbolt_bus: bool
+    bridges: Mapping[str, Sequence[str]] | None
+    sysfs_error: str | None = None
+    bridges_error: str | None = None
+
+
+LinkFacts = MacFacts | LinuxFacts
+
+
+class _NoFacts(Exception):
+    """A fact a check needs is unavailable; carries the finding that says so."""
+
+    def __init__(self, finding: Finding) -> None:
+        super().__init__(finding.summary)
+        self.finding = finding
+
+
+def fold(name: str, findings: Sequence[Finding], details: Iterable[str] = ()) -> Check:
+    """One Check from findings: the worst status; the summaries and fixes of the findings
+    that matter at that level (warnings and failures together, since both need fixing)."""
+    assert findings, "every check makes at least one finding"
+    worst = max((f.status for f in findings), key=_RANK.__getitem__)
+    wanted = {"warn", "fail"} if worst in ("warn", "fail") else {worst}
+    keep = [f for f in findings if f.status in wanted]
+    fixes = list(dict.fromkeys(f.fix for f in keep if f.fix))
+    return Check(name, worst, "; ".join(dict.fromkeys(f.summary for f in keep)), "\n".join(fixes) or None,
+                 tuple(details))
+
+
+def skipped(name: str, reason: str) -> Check:
+    """A check that does not apply here (or was left out), with the reason."""
+    return Check(name, "skip", reason)
+
+
+def exit_code(checks: Iterable[Check]) -> int:
+    """0 unless a check failed (warnings do not fail the run)."""
+    return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+def report_json(checks: Sequence[Check]) -> dict[str, Any]:
+    return {"ok": exit_code(checks) == 0, "checks": [c.to_json() for c in checks]}
+
+
+_MARK = {"ok": " ok ", "warn": "warn", "fail": "FAIL", "skip": "skip"}
+
+
+def render_text(checks: Sequence[Check]) -> str:
+    """The human report: one line per check, then its fix and details, then a tally."""
+    lines = []
+    pad = " " * 20  # under the summary: "[xxxx] " and a 12-wide name column
+    for c in checks:
+        lines.append(f"[{_MARK[c.status]}] {c.name:<12} {c.summary}")
+        for i, fix in enumerate((c.fix or "").splitlines()):
+            lines.append(f"{pad}{'fix: ' if i == 0 else '     '}{fix}")
+        lines += [f"{pad}- {d}" for d in c.details]
+    counts = {s: sum(1 for c in checks if c.status == s) for s in _RANK}
+    lines.append(f"{counts['ok']} ok, {counts['warn']} warning(s), {counts['fail']} failed, {counts['skip']} skipped")
+    return "\n".join(lines)
+
+
+def _need(out: Output, what: str) -> str:
+    """The text of an output, or _NoFacts: skip when the tool is missing, fail when it broke."""
+    if out.text is not None:
+        if len(out.text) > TEXT_CHARS_MAX:
+            raise _NoFacts(Finding("fail", f"{what} printed more than {TEXT_CHARS_MAX} characters"))
+        return out.text
+    if out.missing:
+        raise _NoFacts(Finding("skip", out.error or f"{what} is not installed"))
+    raise _NoFacts(Finding("fail", f"cannot run {what}: {out.error or 'no output'}",
+                           f"run `{what}` yourself to see the error"))
+
+
+def _guard(name: str, body: Any, *args: Any) -> Check:
+    """Run one check body, turning unavailable facts and malformed captures into findings."""
+    try:
+        result: Check = body(*args)
+        return result
+    except _NoFacts as e:
+        return fold(name, [e.finding])
+    except CaptureError as e:
+        return fold(name, [Finding("fail", f"unexpected command output: {e}", f"this is a p2pmesh bug: {REPORT_FIX}")])
+
+
+def _gbps(value: float | None) -> str:
+    return "unknown speed" if value is None else f"{value:g} Gb/s"
+
+
+# ---------------------------------------------------------------------------------------
+# Thunderbolt ports and cables
+
+
+def check_thunderbolt(facts: LinkFacts) -> Check:
+    """Which ports exist, what is cabled to them, whether each Mac-to-Mac cable has an
+    interface and a sane speed."""
+    if isinstance(facts, LinuxFacts):
+        return _guard("thunderbolt", _thunderbolt_linux, facts)
+    return _guard("thunderbolt", _thunderbolt_macos, facts)
+
+
+def _receptacles(facts: MacFacts) -> tuple[list[TbPort], dict[str, str | None]]:
+    """The receptacles, and the enX macOS made for each (None: no "Thunderbolt N" port)."""
+    sp = _need(facts.system_profiler, "system_profiler SPThunderboltDataType -json")
+    ns = _need(facts.networksetup, "networksetup -listallhardwareports")
+    return parse_system_profiler(sp), {lp.port: lp.interface for lp in local_ports(sp, ns)}
+
+
+def _describe(p: TbPort, interface: str | None) -> str:
+    where = f"port {p.port} ({interface or 'no interface'})"
+    if not p.connected:
+        return f"{where}: empty, {_gbps(p.max_speed_gbps)} capable"
+    model = p.peer_model if p.peer_model != p.peer_name else None  # docks repeat their name as the model
+    what = " ".join(x for x in ("a Mac:" if p.peer_kind == "mac" else "a device:", p.peer_name, model) if x)
+    return f"{where}: {what}, at {_gbps(p.speed_gbps)}"
+
+
+def _thunderbolt_macos(facts: MacFacts) -> Check:
+    ports, iface = _receptacles(facts)
+    details = [_describe(p, iface.get(p.port)) for p in ports]
+    if not ports:
+        return fold("thunderbolt", [Finding("warn", "system_profiler lists no Thunderbolt port on this Mac")], details)
+    macs = [p for p in ports if p.connected and p.peer_kind == "mac"]
+    findings: list[Finding] = []
+    if not macs:
+        others = [f"port {p.port} has {p.peer_name or 'a device'}" for p in ports if p.connected]
+        findings.append(Finding(
+            "warn", "no Mac is cabled directly to this one" + (f" ({'; '.join(others)}, not a Mac)" if others else ""),
+            "connect the Macs port to port with Thunderbolt cables; p2pmesh pairs only direct cables, not "
+            "ones through a dock or hub (a single Mac still works on its own)"))
+    for p in macs:
+        name = iface.get(p.port)
+        if name is None:
+            findings.append(Finding(
+                "warn", f"port {p.port} is cabled to a Mac but macOS made no network interface for it",
+                f"run `sudo networksetup -detectnewhardware`, then look for a 'Thunderbolt {p.port}' service in "
+                "System Settings > Network"))
+        if p.speed_gbps is not None and p.speed_gbps < SLOW_LINK_GBPS:
+            findings.append(Finding(
+                "warn", f"port {p.port} reaches its Mac at only {p.speed_gbps:g} Gb/s",
+                "use a Thunderbolt 4 or 5 cable (40 or 80 Gb/s); USB-C charging cables and long passive cables "
+                "fall back to 20 Gb/s or less"))
+        findings.append(Finding("ok", f"port {p.port} ({name or '?'}) to {p.peer_name or 'a Mac'} at {_gbps(p.speed_gbps)}"))
+    return fold("thunderbolt", findings, details)
+
+
+def _thunderbolt_linux(facts: LinuxFacts) -> Check:
+    tb = [p for p in _ports(facts) if p.kind == "thunderbolt"]
+    details = [f"{p.interface}: {'up' if p.up else 'down'}, peer {p.peer_domain_uuid or 'none'}, {_gbps(p.gbps)}" for p in tb]
+    if not tb:
+        if not facts.thunderbolt_bus:
+            return skipped("thunderbolt", "no Thunderbolt bus on this machine (/sys/bus/thunderbolt is missing)")
+        return fold("thunderbolt", [Finding(
+            "warn", "a Thunderbolt bus exists but there is no thunderbolt-net interface",
+            "load the driver with `sudo modprobe thunderbolt-net`, then cable a Mac (Linux names the interface "
+            "thunderbolt0)")])
+    cabled = [p for p in tb if p.up and p.peer_domain_uuid]
+    if not cabled:
+        return fold("thunderbolt", [Finding("warn", f"no host is cabled to {', '.join(p.interface for p in tb)}",
+                                            "connect the hosts port to port with Thunderbolt cables")], details)
+    return fold("thunderbolt", [Finding("ok", f"{p.interface} cabled to a host at {_gbps(p.gbps)}") for p in cabled], details)
+
+
+def _ports(facts: LinkFacts) -> list[PortInfo]:
+    """This machine's ports, as the agent's link watcher computes them."""
+    if isinstance(facts, LinuxFacts):
+        if facts.sysfs is None:
+            raise _NoFacts(Finding("fail", f"cannot read sysfs: {facts.sysfs_error}"))
+        return linux_ports(dict(facts.sysfs), _need(facts.ip_addr, "ip -j -4 addr show"))
+    return macos_ports(_need(facts.system_profiler, "system_profiler SPThunderboltDataType -json"),
+                       _need(facts.networksetup, "networksetup -listallhardwareports"),
+                       _need(facts.ifconfig, "ifconfig"), facts.ibv_devices.text)
+
+
+def _cabled(ports: Iterable[PortInfo]) -> list[PortInfo]:
+    """Thunderbolt ports with a carrier and a peer host's domain UUID: the ring's cables."""
+    return [p for p in ports if p.kind == "thunderbolt" and p.up and p.peer_domain_uuid]
+
+
+def usable_interfaces(facts: LinkFacts) -> list[str]:
+    """The ports that are up (what `p2pmesh doctor` probes mDNS on by default); [] when the
+    facts cannot be read, so the driver falls back to every interface with an address."""
+    try:
+        return [p.interface for p in _ports(facts) if p.up]
+    except (_NoFacts, CaptureError):
+        return []
+
+
+# ---------------------------------------------------------------------------------------
+# IPv4 addresses on the cables
+
+
+def check_addresses(facts: LinkFacts) -> Check:
+    """Every cable to another host needs an IPv4 address of its own (MLX's ring dials IPv4
+    literals and JACCL needs one for its GID), in a subnet no other cable shares."""
+    return _guard("addresses", _addresses, facts)
+
+
+def _addresses(facts: LinkFacts) -> Check:
+    cabled = _cabled(_ports(facts))
+    if not cabled:
+        return skipped("addresses", "no Thunderbolt cable to another host, so no address to check")
+    # A bridged port's address sits on the bridge: say so, the bridge check has that fix.
+    bridged = ({m: b for b, ms in parse_ifconfig_bridge_members(facts.ifconfig.text or "").items() for m in ms}
+               if isinstance(facts, MacFacts) else {m: b for b, ms in (facts.bridges or {}).items() for m in ms})
+    findings: list[Finding] = []
+    details = [f"{p.interface}: {', '.join(p.ipv4) or 'no IPv4'}" for p in cabled]
+    for p in cabled:
+        if not p.ipv4:
+            why = f" (it is a member of {bridged[p.interface]}: see the bridge check)" if p.interface in bridged else ""
+            findings.append(Finding("warn", f"{p.interface} (cabled to another host) has no IPv4 address{why}", ADDRESS_FIX))
+    nets = [(p.interface, ipaddress.IPv4Interface(a).network) for p in cabled for a in p.ipv4]
+    for i, (a, na) in enumerate(nets):
+        for b, nb in nets[i + 1:]:
+            if a != b and na.overlaps(nb):
+                findings.append(Finding(
+                    "warn", f"{a} and {b} share the subnet {max(na, nb, key=lambda n: n.num_addresses)}: traffic for "
+                    "one cable's peer may leave through the other cable",
+                    "give each cable its own /30: " + ADDRESS_FIX))
+    if not findings:
+        findings.append(Finding("ok", "every cable has its own IPv4 subnet"))
+    return fold("addresses", findings, details)
+
+
+# ---------------------------------------------------------------------------------------
+# Bridges (macOS's Thunderbolt Bridge)
+
+
+def check_bridge(facts: LinkFacts) -> Check:
+    """A bridge holding cabled Thunderbolt ports: two of them make a loop with no loop
+    protection (fail); one keeps the cable's address on the bridge, where MLX cannot use it."""
+    return _guard("bridge", _bridge_linux if isinstance(facts, LinuxFacts) else _bridge_macos, facts)
+
+
+def _bridge_macos(facts: MacFacts) -> Check:
+    text = _need(facts.ifconfig, "ifconfig")
+    bridges = parse_ifconfig_bridge_members(text)
+    status = {name: e.status for name, e in parse_ifconfig(text).items()}
+    ns = _need(facts.networksetup, "networksetup -listallhardwareports")
+    labels = {h.device: h.name for h in parse_networksetup(ns) if h.device in bridges}
+    tb = {p.interface: p for p in _ports(facts) if p.kind == "thunderbolt"}
+    if not tb:
+        return skipped("bridge", "no Thunderbolt port with a network interface, so no bridge to check")
+    cabled = {p.interface for p in _cabled(tb.values())}
+    findings: list[Finding] = []
+    details = []
+    for bridge, members in sorted(bridges.items()):
+        label = f"{bridge} ({labels[bridge]})" if bridge in labels else bridge
+        ours = sorted(set(members) & set(tb))
+        if ours:
+            details.append(f"{label}, {status.get(bridge) or 'status unknown'}: members {', '.join(members)}")
+        hit = sorted(set(ours) & cabled)
+        fix = ("open System Settings > Network > Thunderbolt Bridge and make the service inactive (or remove "
+               f"{', '.join(hit)} from it); until the next reboot instead: "
+               + "; ".join(f"`sudo ifconfig {bridge} deletem {i}`" for i in hit) + ". p2pmesh never changes this itself")
+        if len(hit) >= 2:
+            findings.append(Finding("fail", f"{label} bridges the cabled ports {', '.join(hit)}: with the other Macs "
+                                    "bridged too, the ring's cables form a loop that can flood every network", fix))
+            details += bridge_warnings({bridge: members}, hit, platform="darwin")
+        elif hit:
+            findings.append(Finding("warn", f"{hit[0]} (cabled to a Mac) is a member of {label}: its address lives on "
+                                    "the bridge, where MLX's ring cannot use it, and JACCL fails while it is active", fix))
+        elif ours:
+            details.append(f"{label} holds no cabled port yet; once two cabled ports share it, it forms a loop")
+    if not findings:
+        findings.append(Finding("ok", "no bridge holds a cabled Thunderbolt port"))
+    return fold("bridge", findings, details)
+
+
+def _bridge_linux(facts: LinuxFacts) -> Check:
+    if facts.bridges is None:
+        raise _NoFacts(Finding("skip", f"cannot list bridges: {facts.bridges_error}"))
+    tb = [p for p in _ports(facts) if p.kind == "thunderbolt"]
+    if not tb:
+        return skipped("bridge", "no Thunderbolt interface, so no bridge to check")
+    cabled = {p.interface for p in _cabled(tb)}
+    findings = []
+    for bridge, members in sorted(facts.bridges.items()):
+        for warning in bridge_warnings({bridge: list(members)}, [p.interface for p in tb], platform="linux"):
+            hit = sorted(cabled & set(members))
+            fix = "; ".join(f"`sudo ip link set dev {i} nomaster`" for i in sorted(set(members) & {p.interface for p in tb}))
+            findings.append(Finding("fail" if len(hit) >= 2 else "warn", warning.split(". p2pmesh")[0], fix))
+    if not findings:
+        findings.append(Finding("ok", "no bridge holds a Thunderbolt interface"))
+    return fold("bridge", findings)
+
+
+# ---------------------------------------------------------------------------------------
+# RDMA
+
+
+def parse_macos_version(text: str) -> tuple[int, ...]:
+    """`sw_vers -productVersion` ("26.2", "15.6.1") -> (26, 2). CaptureError otherwise."""
+    m = re.fullmatch(r"\s*([0-9]{1,3}(?:\.[0-9]{1,3}){0,2})\s*", text)
+    if m is None:
+        raise CaptureError(f"sw_vers printed {text.strip()[:40]!r}, not a version number")
+    return tuple(int(x) for x in m.group(1).split("."))
+
+
+def parse_rdma_ctl(text: str) -> bool | None:
+    """`rdma_ctl status`: True when it says enabled, False when disabled, None otherwise."""
+    low = text.lower()
+    if re.search(r"\bdisabled\b", low):
+        return False
+    if re.search(r"\benabled\b", low):
+        return True
+    return None
+
+
+def check_rdma(facts: LinkFacts) -> Check:
+    """RDMA over Thunderbolt (JACCL): macOS 26.2+, Thunderbolt 5, enabled in Recovery, an
+    rdma_enX device for every cabled port. Optional (the ring backend runs over TCP), so at
+    worst a warning."""
+    if isinstance(facts, LinuxFacts):
+        return skipped("rdma", "RDMA over Thunderbolt (JACCL) is a macOS feature; Linux hosts use MLX's ring backend over TCP")
+    return _guard("rdma", _rdma, facts)
+
+
+def _rdma(facts: MacFacts) -> Check:
+    if facts.os_version.text is not None:
+        version = parse_macos_version(facts.os_version.text)
+        if version < RDMA_MACOS:
+            return fold("rdma", [Finding("skip", f"RDMA needs macOS 26.2 or later; this Mac runs {'.'.join(map(str, version))} "
+                                         "(the ring backend over TCP works meanwhile)",
+                                         "update every Mac of the ring to the same macOS 26.2+ build to use RDMA")])
+    try:
+        ports, _ = _receptacles(facts)
+    except (_NoFacts, CaptureError):
+        ports = []  # the thunderbolt check reports it; RDMA can still be judged without speeds
+    speeds = [s for p in ports for s in (p.max_speed_gbps, p.speed_gbps) if s is not None]
+    if speeds and max(speeds) < TB5_GBPS:
+        return skipped("rdma", f"RDMA needs Thunderbolt 5; this Mac's ports reach {max(speeds):g} Gb/s at most")
+    enabled = parse_rdma_ctl(facts.rdma_ctl.text) if facts.rdma_ctl.text is not None else None
+    devices = parse_ibv_devices(facts.ibv_devices.text) if facts.ibv_devices.text is not None else None
+    if enabled is False:
+        return fold("rdma", [Finding("warn", "RDMA is disabled (rdma_ctl status)", RECOVERY_FIX)])
+    if devices is None:
+        if facts.rdma_ctl.missing and facts.ibv_devices.missing:
+            return skipped("rdma", "neither rdma_ctl nor ibv_devices is installed (both come with macOS 26.2)")
+        return fold("rdma", [Finding("warn", f"cannot list RDMA devices: {facts.ibv_devices.error}",
+                                     "run `ibv_devices` yourself to see the error")])
+    if not devices:
+        return fold("rdma", [Finding("warn", "no RDMA device: ibv_devices lists no rdma_enX",
+                                     "if you ran `rdma_ctl enable` in Recovery, restart once more; otherwise: " + RECOVERY_FIX)])
+    findings = []
+    try:
+        cabled = [p.interface for p in _cabled(_ports(facts))]
+    except (_NoFacts, CaptureError):
+        cabled = []
+    for iface in cabled:
+        if iface not in devices:
+            findings.append(Finding("warn", f"{iface} is cabled to a Mac but has no RDMA device (rdma_{iface})",
+                                    "both ends need Thunderbolt 5 ports and RDMA enabled: run `p2pmesh doctor` on the other Mac"))
+    findings.append(Finding("ok", "RDMA devices: " + ", ".join(f"rdma_{d}" for d in sorted(devices))))
+    return fold("rdma", findings)
+
+
+# ---------------------------------------------------------------------------------------
+# Firewall: macOS Application Firewall
+
+
+def parse_firewall_state(text: str) -> int | None:
+    """`socketfilterfw --getglobalstate`: "Firewall is enabled. (State = 1)" -> 1 (0 off,
+    1 on, 2 on for essential services only, i.e. blocking all); None if unrecognised."""
+    m = re.search(r"State\s*=\s*([0-9])", text)
+    if m is not None:
+        return int(m.group(1))
+    return {True: 1, False: 0, None: None}[parse_on_off(text)]
+
+
+def parse_on_off(text: str) -> bool | None:
+    """--getblockall / --getstealthmode across macOS versions ("Firewall has block all state
+    set to enabled.", "Block all DISABLED!", "Firewall stealth mode is on",
+    "Stealth mode disabled") -> True/False; None when it says neither."""
+    low = text.lower()
+    if re.search(r"\b(disabled|off)\b", low):
+        return False
+    if re.search(r"\b(enabled|on)\b", low):
+        return True
+    return None
+
+
+def parse_app_blocked(text: str, path: str = "") -> bool | None:
+    """`socketfilterfw --getappblocked PATH`: True blocked, False permitted, None when the
+    app is not in the firewall's list (macOS then asks at the first incoming connection).
+    The path is cut out first, so a directory named "blocked" cannot sway the verdict."""
+    low = (text.replace(path, " ") if path else text).lower()
+    if "not blocked" in low or "permitted" in low or "allowed" in low:
+        return False
+    if "blocked" in low:
+        return True
+    return None
+
+
+def firewall_app_path(executable: str) -> str:
+    """The path the Application Firewall knows a Python by: a framework build runs as
+    .../Python.framework/Versions/X/Resources/Python.app, not as the bin/python3 symlink."""
+    m = re.match(r"(.*/Python\.framework/Versions/[^/]+)/", executable)
+    return f"{m.group(1)}/Resources/Python.app" if m else executable
+
+
+@dataclass(frozen=True, slots=True)
+class MacFirewallFacts:
+    """socketfilterfw's four answers, and the path the firewall knows this Python by."""
+
+    global_state: Output
+    block_all: Output
+    stealth: Output
+    app_blocked: Output
+    app_path: str
+
+
+def check_firewall_macos(facts: MacFirewallFacts) -> Check:
+    """Off is fine; "block all" or a blocked Python fails; on without Python listed warns."""
+    return _guard("firewall", _firewall_macos, facts)
+
+
+def _firewall_macos(facts: MacFirewallFacts) -> Check:
+    state = parse_firewall_state(_need(facts.global_state, "socketfilterfw --getglobalstate"))
+    if state is None:
+        return fold("firewall", [Finding("warn", f"unrecognised firewall state {facts.global_state.text!r}"[:160],
+                                         f"run `{FIREWALL_TOOL} --getglobalstate` yourself")])
+    if state == 0:
+        return fold("firewall", [Finding("ok", "the Application Firewall is off")])
+    app = shlex.quote(facts.app_path)
+    details = []
+    stealth = parse_on_off(facts.stealth.text) if facts.stealth.text else None
+    if stealth:
+        details.append("stealth mode is on: pings and probes of closed ports go unanswered (p2pmesh needs neither)")
+    block_all = parse_on_off(facts.block_all.text) if facts.block_all.text else None
+    if state == 2 or block_all:
+        return fold("firewall", [Finding(
+            "fail", "the firewall blocks all incoming connections: peers cannot connect and mDNS answers are dropped",
+            "System Settings > Network > Firewall > Options: turn off 'Block all incoming connections'")], details)
+    blocked = parse_app_blocked(facts.app_blocked.text, facts.app_path) if facts.app_blocked.text else None
+    allow = f"`sudo {FIREWALL_TOOL} --add {app}` then `sudo {FIREWALL_TOOL} --unblockapp {app}`"
+    if blocked:
+        finding = Finding("fail", f"the firewall blocks incoming connections to {facts.app_path}",
+                          f"allow incoming connections for python in the Application Firewall: {allow} (or System "
+                          "Settings > Network > Firewall > Options)")
+    elif blocked is None:
+        finding = Finding("warn", f"the firewall is on and {facts.app_path} is not in its list: macOS asks at the first "
+                          "incoming connection, and on a headless Mac or over SSH nobody answers",
+                          f"allow incoming connections for python in the Application Firewall: {allow}")
+    else:
+        finding = Finding("ok", f"the firewall is on and lets {facts.app_path} accept connections")
+    return fold("firewall", [finding], details)
+
+
+# ---------------------------------------------------------------------------------------
+# Firewall: Linux packet filters (a heuristic reading of iptables-save / nft list ruleset)
+
+
+@dataclass(frozen=True, slots=True)
+class PortRule:
+    """One rule that matches destination ports and decides: accept or drop."""
+
+    protocol: str  # "tcp", "udp" or "any"
+    ports: tuple[tuple[int, int], ...]  # inclusive ranges
+    verdict: Literal["accept", "drop"]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class InputFilter:
+    """What a ruleset does to incoming packets, as far as the agent's ports are concerned."""
+
+    source: str
+    rules: tuple[PortRule, ...]
+    default_drop: bool  # an input policy of drop, or a catch-all drop/reject rule
+
+
+_VERDICTS = {"ACCEPT": "accept", "DROP": "drop", "REJECT": "drop", "accept": "accept", "drop": "drop", "reject": "drop"}
+
+
+def _port_ranges(text: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for part in re.split(r"[,\s]+", text.strip("{} ")):
+        if not part:
+            continue
+        m = re.fullmatch(r"([0-9]{1,5})(?:[:-]([0-9]{1,5}))?", part)
+        if m is None:
+            return ()  # a named service or a set we cannot read: no claim about it
+        lo = int(m.group(1))
+        out.append((lo, int(m.group(2) or lo)))
+    return tuple(out)
+
+
+def parse_iptables_save(text: str) -> InputFilter:
+    """The filter table of `iptables-save`: the INPUT policy and every rule with --dport(s).
+    Chains are not followed; a rule in any chain but OUTPUT/FORWARD counts as it reads."""
+    rules, default_drop, table = [], False, None
+    for line in text[:TEXT_CHARS_MAX].splitlines():
+        line = line.strip()
+        if line.startswith("*"):
+            table = line[1:]
+        elif table != "filter":
+            continue
+        elif line.startswith(":INPUT ") and line.split()[1] in ("DROP", "REJECT"):
+            default_drop = True
+        elif line.startswith("-A ") and "!" not in line:
+            try:
+                words = shlex.split(line)
+            except ValueError:
+                continue
+            chain = words[1] if len(words) > 1 else ""
+            target = words[words.index("-j") + 1] if "-j" in words[:-1] else ""
+            if chain in ("OUTPUT", "FORWARD") or target not in _VERDICTS:
+                continue
+            verdict = _VERDICTS[target]
+            ports = next((words[i + 1] for i, w in enumerate(words[:-1]) if w in ("--dport", "--dports", "--destination-port")), None)
+            if ports is not None:
+                proto = words[words.index("-p") + 1] if "-p" in words[:-1] else "any"
+                ranges = _port_ranges(ports)
+                if ranges:
+                    rules.append(PortRule(proto, ranges, verdict, line))  # type: ignore[arg-type]
+            elif chain == "INPUT" and verdict == "drop" and _catch_all(words):
+                default_drop = True
+    return InputFilter("iptables-save", tuple(rules), default_drop)
+
+
+def _catch_all(words: list[str]) -> bool:
+    """`-A INPUT -j DROP` (optionally with a comment or --reject-with): matches everything."""
+    rest = list(words[2:])
+    for option in ("--comment", "--reject-with", "-j"):
+        if option in rest[:-1]:
+            i = rest.index(option)
+            del rest[i:i + 2]
+    return all(w in ("-m", "comment") for w in rest)
+
+
+_NFT_PORTS = re.compile(r"\b(tcp|udp|th) dport (\{[^}]*\}|[0-9]{1,5}(?:-[0-9]{1,5})?)")
+_NFT_VERDICT = re.compile(r"\b(accept|drop|reject)\b")
+
+
+def parse_nft_ruleset(text: str) -> InputFilter:
+    """`nft list ruleset`: base chains hooked on input (their policy and a final catch-all
+    drop/reject) and every dport rule outside output/forward chains."""
+    rules, default_drop = [], False
+    hook: str | None = None
+    for raw in text[:TEXT_CHARS_MAX].splitlines():
+        line = raw.strip()
+        if line.startswith(("table ", "set ", "map ", "flowtable ")):
+            hook = None  # not a chain: its lines are no rules
+            continue
+        if line.startswith("chain "):
+            hook = ""  # a regular chain until a "type ... hook" line says otherwise
+            continue
+        m = re.search(r"\bhook (\w+)", line)
+        if line.startswith("type ") and m is not None:
+            hook = m.group(1)
+            if hook == "input" and re.search(r"policy (drop|reject)", line):
+                default_drop = True
+            continue
+        if hook is None or hook in ("output", "forward", "postrouting", "prerouting") or line in ("}", ""):
+            continue
+        verdicts = _NFT_VERDICT.findall(line)
+        ports = _NFT_PORTS.search(line)
+        if ports is not None and verdicts and "!=" not in line:
+            ranges = _port_ranges(ports.group(2))
+            if ranges:
+                proto = "any" if ports.group(1) == "th" else ports.group(1)
+                rules.append(PortRule(proto, ranges, _VERDICTS[verdicts[-1]], line))  # type: ignore[arg-type]
+        elif hook == "input" and re.fullmatch(r"(counter( packets \d+ bytes \d+)? )?(drop|reject( with .*)?)", line):
+            default_drop = True
+    return InputFilter("nft", tuple(rules), default_drop)
+
+
+def port_verdict(f: InputFilter, protocol: str, port: int) -> Literal["accept", "drop", "default-drop", "open"]:
+    """The first rule that matches the port decides (rules are read in order, as the kernel
+    does within a chain); with none, the default."""
+    for rule in f.rules:
+        if rule.protocol in (protocol, "any") and any(lo <= port <= hi for lo, hi in rule.ports):
+            return rule.verdict
+    return "default-drop" if f.default_drop else "open"
+
+
+def check_firewall_linux(sources: Sequence[tuple[str, Output]], ports: Sequence[tuple[str, int, str]], *,
+                         root: bool) -> Check:
+    """``sources``: ("nft" | "iptables-save", output); ``ports``: (protocol, port, what for)."""
+    if all(out.missing for _, out in sources):
+        return skipped("firewall", "neither nft nor iptables-save is installed, so there are no packet filter rules to read")
+    filters = []
+    errors = []
+    for name, out in sources:
+        if out.text is not None:
+            filters.append(parse_nft_ruleset(out.text) if name == "nft" else parse_iptables_save(out.text))
+        elif not out.missing:
+            errors.append(f"{name}: {out.error}")
+    if not filters:
+        return fold("firewall", [Finding("skip", f"cannot read the packet filter rules ({'; '.join(errors)})",
+                                         None if root else "reading them needs root: run `sudo p2pmesh doctor`")])
+    findings = []
+    for proto, port, what in ports:
+        verdicts = {f.source: port_verdict(f, proto, port) for f in filters}
+        droppers = " and ".join(src for src, v in verdicts.items() if v == "drop")
+        allow = (f"allow {port}/{proto}, e.g. `sudo nft add rule inet filter input {proto} dport {port} accept`, "
+                 f"`sudo iptables -I INPUT -p {proto} --dport {port} -j ACCEPT` or `sudo ufw allow {port}/{proto}`")
+        if droppers:
+            findings.append(Finding("fail", f"a rule in {droppers} drops {port}/{proto} ({what})", allow))
+        elif "default-drop" in verdicts.values() and "accept" not in verdicts.values():
+            findings.append(Finding("warn", f"incoming {port}/{proto} ({what}) falls through to a drop policy", allow))
+        else:
+            findings.append(Finding("ok", f"{port}/{proto} ({what}) is not dropped"))
+    return fold("firewall", findings, [f"read: {', '.join(f.source for f in filters)}", *errors])
+
+
+# ---------------------------------------------------------------------------------------
+# mDNS
+
+
+@dataclass(frozen=True, slots=True)
+class MdnsProbe:
+    """One interface's round trip: our throwaway service registered and browsed back."""
+
+    interface: str
+    addresses: tuple[str, ...]
+    seen_ms: int | None  # None: not seen within the window
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SeenAdvert:
+    """A p2pmesh agent's advertisement heard while probing (TXT as zeroconf gives it)."""
+
+    name: str
+    interface: str
+    properties: Mapping[bytes, bytes | None]
+
+
+def check_mdns(probes: Sequence[MdnsProbe], adverts: Sequence[SeenAdvert], *, window_ms: int, platform: str,
+               own_node_id: str | None = None, fingerprint: str | None = None,
+               members: Iterable[str] | None = None, over_ssh: bool = False, notes: Sequence[str] = ()) -> Check:
+    """Per interface: could we register a DNS-SD service and browse it back in time? That
+    proves zeroconf can bind, join the group and send there (not that other hosts hear it).
+    Then the p2pmesh agents heard: different protocol or cluster key, or not yet members."""
+    if not probes:
+        return fold("mdns", [Finding("warn", "no interface with an address to test",
+                                     "connect a network or a cable, or name an interface with --interface")], notes)
+    failed = [p for p in probes if p.seen_ms is None]
+    level: Status = "fail" if len(failed) == len(probes) else "warn"
+    fix = ("check the interface is up with an address and that no firewall drops UDP 5353; meanwhile start the "
+           "agent with `--peer HOST:7741` for each other Mac (static peers need no multicast)")
+    if platform == "darwin":
+        fix = ("allow Local Network access for the app that runs p2pmesh (System Settings > Privacy & Security > "
+               "Local Network)" + (", and note that processes started over SSH may lack it" if over_ssh else "")
+               + "; " + fix)
+    findings = [Finding(level, f"{p.interface}: {p.error or f'our test service was not seen within {window_ms} ms'}", fix)
+                for p in failed]
+    details = [f"{p.interface} ({', '.join(p.addresses)}): seen after {p.seen_ms} ms" for p in probes if p.seen_ms is not None]
+    details += notes
+    ok = [p.interface for p in probes if p.seen_ms is not None]
+    if ok:
+        findings.append(Finding("ok", f"multicast DNS round trip works on {', '.join(ok)}"))
+    findings += _advert_findings(adverts, own_node_id, fingerprint, members, details)
+    return fold("mdns", findings, details)
+
+
+def _advert_findings(adverts: Sequence[SeenAdvert], own: str | None, fingerprint: str | None,
+                     members: Iterable[str] | None, details: list[str]) -> list[Finding]:
+    member_ids = set(members) if members is not None else None
+    out = []
+    for a in adverts:
+        try:
+            peer = parse_txt(dict(a.properties))
+        except RemoteProtocolError as e:
+            out.append(Finding("warn", f"{a.name} on {a.interface} sent an unreadable advertisement ({e})",
+                               "run the same p2pmesh version on every Mac"))
+            continue
+        if peer.node_id == own:
+            continue
+        details.append(f"agent {peer.node_id[:8]} on {a.interface}: protocol {peer.protocol}, chip {peer.chip or '?'}")
+        why = compatible(peer, fingerprint or peer.cluster_fingerprint)
+        if why is not None:
+            fix = ("install the same p2pmesh version on every Mac" if peer.protocol != PROTOCOL_VERSION else
+                   "install this cluster's key there: `p2pmesh key show` here, `p2pmesh key set KEY` there, then "
+                   "restart its agent")
+            out.append(Finding("warn", f"agent {peer.node_id[:8]} on {a.interface} {why}", fix))
+        elif member_ids is not None and peer.node_id not in member_ids:
+            out.append(Finding("warn", f"agent {peer.node_id[:8]} advertises on {a.interface} but is not a member of "
+                               "this cluster", "it normally joins within seconds; if it stays out, run "
+                               "`p2pmesh doctor` on that Mac (firewall, agent)"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# MLX
+
+
+def check_mlx(probe: Output, platform: str) -> Check:
+    """The MLX probe's JSON (version, device, Metal, a 2x2 matmul, ring backend, mlx-lm)."""
+    return _guard("mlx", _mlx, probe, platform)
+
+
+def _mlx(probe: Output, platform: str) -> Check:
+    text = _need(probe, "the MLX probe")
+    try:
+        facts = json.loads(text.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return fold("mlx", [Finding("fail", f"the MLX probe printed {text.strip()[-120:]!r}", REPORT_FIX)])
+    if not isinstance(facts, dict):
+        return fold("mlx", [Finding("fail", "the MLX probe printed no JSON object", REPORT_FIX)])
+    python = str(facts.get("python", "python"))
+    pip = f"`{shlex.quote(python)} -m pip install " + ("mlx mlx-lm`" if platform == "darwin" else "'mlx[cpu]' mlx-lm`")
+    details = [f"python: {python} ({facts.get('machine', '?')})"]
+    if facts.get("import_error"):
+        return fold("mlx", [Finding("fail", f"MLX cannot be imported: {facts['import_error']}"[:300], pip)], details)
+    findings = []
+    if platform == "darwin" and facts.get("machine") != "arm64":
+        findings.append(Finding("fail", f"Python runs as {facts.get('machine')} (Rosetta): MLX needs a native arm64 Python",
+                                "install an arm64 Python (python.org, or Homebrew in /opt/homebrew) and p2pmesh in it"))
+    if platform == "darwin" and facts.get("metal") is not True:
+        findings.append(Finding("fail", "MLX cannot use the GPU (Metal is unavailable)",
+                                "MLX needs Apple silicon and macOS 14 or later; reinstall with " + pip))
+    if facts.get("matmul") != [[7.0, 10.0], [15.0, 22.0]]:
+        findings.append(Finding("fail", f"a 2x2 matmul gave {facts.get('matmul')!r}", "reinstall MLX: " + pip))
+    if facts.get("ring") is not True:
+        findings.append(Finding("fail", "MLX's ring backend is unavailable (p2pmesh's pipeline runs on it)", "reinstall MLX: " + pip))
+    if not facts.get("mlx_lm"):
+        findings.append(Finding("fail", "mlx-lm is not installed (the workers load models with it)", pip))
+    if facts.get("working_set_bytes"):
+        details.append(f"Metal recommended working set: {int(facts['working_set_bytes']) / GIB:.1f} GiB "
+                       "(what p2pmesh offers for layers by default)")
+    if platform == "darwin":
+        details.append(f"JACCL (RDMA) backend available: {bool(facts.get('jaccl'))}")
+    details.append(f"mlx-lm {facts.get('mlx_lm') or 'missing'}")
+    findings.append(Finding("ok", f"MLX {facts.get('version')} on {facts.get('device')}: matmul and ring backend work"))
+    return fold("mlx", findings, details)
+
+
+# ---------------------------------------------------------------------------------------
+# Memory
+
+
+def parse_vm_stat(text: str) -> dict[str, int]:
+    """`vm_stat` -> {"page size": bytes, "pages free": n, "pages inactive": n, ...}."""
+    m = re.search(r"page size of ([0-9]{1,9}) bytes", text)
+    if m is None:
+        raise CaptureError("vm_stat output has no 'page size of N bytes' header")
+    out = {"page size": int(m.group(1))}
+    for line in text.splitlines()[1:]:
+        kv = re.fullmatch(r'\s*"?([A-Za-z][A-Za-z -]*?)"?:\s+([0-9]{1,20})\.?\s*', line)
+        if kv is not None:
+            out[kv.group(1).lower()] = int(kv.group(2))
+    if "pages free" not in out:
+        raise CaptureError("vm_stat output has no 'Pages free' line")
+    return out
+
+
+def parse_sysctl_int(text: str, name: str) -> int:
+    """`sysctl NAME` ("hw.memsize: 68719476736") or `sysctl -n NAME` -> the integer."""
+    m = re.fullmatch(rf"\s*(?:{re.escape(name)}\s*[:=]\s*)?([0-9]{{1,20}})\s*", text)
+    if m is None:
+        raise CaptureError(f"sysctl {name} printed {text.strip()[:60]!r}, not an integer")
+    return int(m.group(1))
+
+
+def parse_meminfo(text: str) -> tuple[int, int]:
+    """/proc/meminfo -> (MemTotal, MemAvailable) in bytes."""
+    values = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"(MemTotal|MemAvailable):\s+([0-9]{1,20}) kB\s*", line)
+        if m is not None:
+            values[m.group(1)] = int(m.group(2)) * 1024
+    if "MemTotal" not in values or "MemAvailable" not in values:
+        raise CaptureError("/proc/meminfo has no MemTotal or MemAvailable line")
+    return values["MemTotal"], values["MemAvailable"]
+
+
+def check_memory_macos(vm_stat: Output, memsize: Output, wired_limit: Output) -> Check:
+    """Available = free + inactive + speculative pages (what macOS hands out without
+    swapping); plus the GPU wired limit (iogpu.wired_limit_mb, 0 = macOS's default)."""
+    return _guard("memory", _memory_macos, vm_stat, memsize, wired_limit)
+
+
+def _memory_macos(vm_stat: Output, memsize: Output, wired_limit: Output) -> Check:
+    vm = parse_vm_stat(_need(vm_stat, "vm_stat"))
+    total = parse_sysctl_int(_need(memsize, "sysctl hw.memsize"), "hw.memsize")
+    available = vm["page size"] * sum(vm.get(k, 0) for k in ("pages free", "pages inactive", "pages speculative"))
+    findings = [_memory_level(total, min(available, total), "quit memory-hungry apps (Activity Monitor > Memory)")]
+    details = []
+    try:
+        limit_mb = parse_sysctl_int(wired_limit.text, "iogpu.wired_limit_mb") if wired_limit.text is not None else None
+    except CaptureError:
+        limit_mb = None  # optional: the memory figures above still stand
+    if limit_mb is None:
+        details.append("GPU wired limit: unknown (no iogpu.wired_limit_mb on this macOS)")
+    elif limit_mb == 0:
+        details.append("GPU wired limit: macOS's default (iogpu.wired_limit_mb=0); `sudo sysctl "
+                       "iogpu.wired_limit_mb=N` raises it until reboot")
+    else:
+        details.append(f"GPU wired limit: {limit_mb} MiB (iogpu.wired_limit_mb)")
+        if limit_mb * 1024 * 1024 > total - OS_RESERVE_BYTES:
+            suggest = max(total // (1024 * 1024) - 8192, total // (2 * 1024 * 1024))
+            findings.append(Finding(
+                "warn", f"iogpu.wired_limit_mb={limit_mb} leaves less than {OS_RESERVE_BYTES // GIB} GiB to macOS: "
+                "the Mac may stall under a large model",
+                f"lower it: `sudo sysctl iogpu.wired_limit_mb={suggest}` (until reboot; 0 restores the default)"))
+    return fold("memory", findings, details)
+
+
+def check_memory_linux(meminfo: Output) -> Check:
+    def body() -> Check:
+        total, available = parse_meminfo(_need(meminfo, "/proc/meminfo"))
+        return fold("memory", [_memory_level(total, available, "stop memory-hungry processes")])
+
+    return _guard("memory", body)
+
+
+def _memory_level(total: int, available: int, quit_apps: str) -> Finding:
+    said = f"{available / GIB:.1f} GiB of {total / GIB:.1f} GiB available"
+    if available < MEMORY_LOW_BYTES or available < MEMORY_LOW_FRACTION * total:
+        return Finding("warn", f"memory is tight: {said}",
+                       f"{quit_apps} before loading a model; `p2pmesh agent --memory-limit BYTES` caps what this "
+                       "machine offers for layers")
+    return Finding("ok", said)
+
+
+# ---------------------------------------------------------------------------------------
+# The running agent
+
+
+def check_agent(status: Mapping[str, Any] | None, error: str | None, *, socket: str) -> Check:
+    """The local agent's view: leader, members up or down, the ring and its addresses.
+    Protocol versions are compared when the status carries them."""
+    if status is None:
+        return fold("agent", [Finding("skip", f"no agent answers at {socket}",
+                                      "start one with `p2pmesh agent` (pass --state-dir or --socket if it keeps its "
+                                      "state elsewhere)")], [error] if error and "no agent is running" not in error else [])
+    members = [m for m in status.get("members") or [] if isinstance(m, dict)]
+    node_id, leader = str(status.get("node_id", "?")), status.get("leader")
+    down = [str(m.get("node_id", "?")) for m in members if not m.get("up", True)]
+    findings: list[Finding] = []
+    if not status.get("healthy"):
+        findings.append(Finding("warn", f"no working leader (this agent is {status.get('role', '?')})",
+                                "a cluster needs a majority of its voters up: run `p2pmesh status` on the other Macs"))
+    if down:
+        findings.append(Finding("warn", f"member(s) down: {', '.join(d[:8] for d in down)}",
+                                "on each: is the agent running, is the cable or network up? (`p2pmesh doctor` there)"))
+    for m in members:
+        if isinstance(m.get("protocol"), int) and m["protocol"] != PROTOCOL_VERSION:
+            findings.append(Finding("warn", f"member {str(m.get('node_id'))[:8]} speaks protocol {m['protocol']}, "
+                                    f"this one {PROTOCOL_VERSION}", "install the same p2pmesh version on every Mac"))
+    findings += _ring_findings(status, len(members))
+    ring = status.get("ring") or {}
+    order = (ring.get("order") or []) if isinstance(ring, dict) else []
+    summary = (f"{status.get('role', '?')} in cluster {str(status.get('cluster_id'))[:8]}: {len(members) - len(down)} of "
+               f"{len(members)} member(s) up, leader {str(leader)[:8] if leader else 'none'}, "
+               + (f"ring of {len(order)} (epoch {ring.get('epoch')})" if order else "no ring"))
+    findings.append(Finding("ok", summary))
+    details = [f"node {node_id}"] + [f"member {m.get('node_id')}: {'up' if m.get('up', True) else 'DOWN'}" for m in members]
+    check = fold("agent", findings, details)
+    # With a warning the summary names only the problems; keep the overview in the details.
+    return check if check.status == "ok" else replace(check, details=(summary, *check.details))
+
+
+def _ring_findings(status: Mapping[str, Any], members: int) -> list[Finding]:
+    try:
+        view = ring_from_status(dict(status))
+    except AddressingError as e:
+        return [Finding("warn", f"the status's ring is malformed: {e}", REPORT_FIX)]
+    if view is None:
+        if members >= 2:
+            return [Finding("warn", "no ring is committed yet",
+                            "cable the Macs in a ring (each to two others, or two Macs to each other) and wait a few "
+                            "seconds; `p2pmesh links` shows what this Mac sees")]
+        return []
+    out = []
+    for hop in view.hops:
+        if hop.kind == "thunderbolt" and (hop.src_ipv4 is None or hop.dst_ipv4 is None):
+            out.append(Finding("warn", f"ring hop {hop.src[:8]}->{hop.dst[:8]} over Thunderbolt has no IPv4 pair",
+                               ADDRESS_FIX))
+    out += [Finding("warn", w) for w in unaddressed_hops(view.hops)]
+    return out
