@@ -578,8 +578,9 @@ def _ipv4_of(ifc: dict[str, IfconfigEntry], name: str) -> tuple[str, ...]:
 
 
 def _float(text: str, where: str) -> float:
-    # Up to 17 significant digits: whatever repr() prints for a float round-trips.
-    if re.fullmatch(r"[0-9]{1,17}(?:\.[0-9]{1,17})?(?:[eE][+-]?[0-9]{1,3})?", text) is None:
+    # Whatever repr() prints for a float: up to 17 significant digits, after at most three
+    # leading zeros in the fraction (repr switches to an exponent below 1e-4).
+    if re.fullmatch(r"[0-9]{1,17}(?:\.[0-9]{1,20})?(?:[eE][+-]?[0-9]{1,3})?", text) is None:
         raise CaptureError(f"{where} {text[:30]!r} is not a number")
     return float(text)
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from p2pmesh.core.linux_links import (
@@ -165,6 +165,7 @@ def test_bench_alias_round_trips(gbps: float) -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(gbps=st.floats(min_value=1e-9, max_value=999_999.999), token=st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}", fullmatch=True))
+@example(gbps=0.0011342218512026372, token="a")
 def test_bench_alias_round_trips_any_valid_value(gbps: float, token: str) -> None:
     assert parse_bench_alias(bench_alias(token, "peer", gbps)) == BenchMarker(token, "peer", gbps)
 
