@@ -268,6 +268,7 @@ class Server:
         params = SamplingParams(cmd.temperature, cmd.top_p, cmd.seed)
         eos = set(self.tokenizer.eos_token_ids or ())
         detok = self.tokenizer.detokenizer
+        text = ContinuationText(detok, self.tokenizer)
         count, finish = 0, "length"
         try:
             for tok in self.driver.generate(tokens, max_new, params):
@@ -276,11 +277,43 @@ class Server:
                     break
                 detok.add_token(tok)
                 count += 1
-                self.emitter.emit(protocol.token(cmd.id, tok, detok.last_segment, tokens if count == 1 else None))
+                self.emitter.emit(protocol.token(cmd.id, tok, text.segment(tok), tokens if count == 1 else None))
         except Exception as e:  # noqa: BLE001 - report it against the request, then end the worker
             raise RequestFailed(f"generation failed: {type(e).__name__}: {e}", cmd.id) from e
         detok.finalize()
-        self.emitter.emit(protocol.done(cmd.id, count, finish, detok.last_segment))
+        self.emitter.emit(protocol.done(cmd.id, count, finish, text.segment(None)))
+
+
+class ContinuationText:
+    """The text of a generation as the continuation of its prompt. mlx-lm's streaming
+    detokenizers drop the space the first generated token starts with (they assume a fresh
+    text, as a chat reply is), which glues a completion to its prompt ("plans" + "the" ->
+    "plansthe"); the space is put back when the first token's own piece starts with one."""
+
+    SPACE_MARKS = ("\u0120", "\u2581", " ")
+    """How a token that starts with a space is spelt: byte-level BPE, SentencePiece, plain."""
+
+    def __init__(self, detok: Any, tokenizer: Any) -> None:
+        self.detok, self.tokenizer = detok, tokenizer
+        self.first: int | None = None
+        self.started = False
+
+    def segment(self, tok: int | None) -> str:
+        if self.first is None and tok is not None:
+            self.first = tok
+        piece = self.detok.last_segment
+        if not self.started and piece:
+            self.started = True
+            if not piece.startswith(" ") and self.first is not None and self._starts_with_space(self.first):
+                piece = " " + piece
+        return piece
+
+    def _starts_with_space(self, tok: int) -> bool:
+        try:
+            raw = self.tokenizer.convert_ids_to_tokens(tok)
+        except Exception:  # noqa: BLE001 - a tokenizer without the method: keep the detokenizer's text
+            return False
+        return isinstance(raw, str) and raw.startswith(self.SPACE_MARKS)
 
 
 if __name__ == "__main__":
