@@ -37,21 +37,17 @@ import trio
 from p2pmesh.core import advert
 from p2pmesh.core.doctor import (
     CHECK_NAMES,
-    FIREWALL_TOOL,
     REPORT_FIX,
     Check,
     LinkFacts,
     LinuxFacts,
     MacFacts,
-    MacFirewallFacts,
     MdnsProbe,
     Output,
     SeenAdvert,
     check_addresses,
     check_agent,
     check_bridge,
-    check_firewall_linux,
-    check_firewall_macos,
     check_mdns,
     check_memory_linux,
     check_memory_macos,
@@ -59,11 +55,17 @@ from p2pmesh.core.doctor import (
     check_rdma,
     check_thunderbolt,
     exit_code,
-    firewall_app_path,
     render_text,
     report_json,
     skipped,
     usable_interfaces,
+)
+from p2pmesh.core.doctor_firewall import (
+    FIREWALL_TOOL,
+    MacFirewallFacts,
+    check_firewall_linux,
+    check_firewall_macos,
+    firewall_app_path,
 )
 from p2pmesh.core.thunderbolt import CaptureError
 from p2pmesh.drivers.linkwatch import (

@@ -8,8 +8,8 @@ concrete fix, and folds them into one ``Check``. Statuses rank skip < ok < warn 
 check is as bad as its worst finding; only ``fail`` makes `p2pmesh doctor` exit 1.
 
 Parsing reuses core/thunderbolt.py, core/linux_links.py, core/addressing.py and
-core/advert.py. The parsers added here cover socketfilterfw, iptables-save, `nft list
-ruleset`, vm_stat, sysctl, /proc/meminfo, sw_vers, rdma_ctl and the MLX probe's JSON. A
+core/advert.py; the firewall's parsers and check are in core/doctor_firewall.py. The parsers
+added here cover vm_stat, sysctl, /proc/meminfo, sw_vers, rdma_ctl and the MLX probe's JSON. A
 missing tool is a ``skip`` with the reason; malformed output is a finding naming the command,
 never an exception.
 
@@ -44,7 +44,6 @@ Status = Literal["ok", "warn", "fail", "skip"]
 _RANK: dict[str, int] = {"skip": 0, "ok": 1, "warn": 2, "fail": 3}
 CHECK_NAMES = ("thunderbolt", "addresses", "bridge", "rdma", "firewall", "mdns", "mlx", "memory", "agent")
 
-FIREWALL_TOOL = "/usr/libexec/ApplicationFirewall/socketfilterfw"
 TEXT_CHARS_MAX = 4_000_000  # any single output we judge; real ones are a few KB
 GIB = 1024**3
 MEMORY_LOW_FRACTION = 0.15
@@ -177,7 +176,7 @@ def render_text(checks: Sequence[Check]) -> str:
     return "\n".join(lines)
 
 
-def _need(out: Output, what: str) -> str:
+def need(out: Output, what: str) -> str:
     """The text of an output, or _NoFacts: skip when the tool is missing, fail when it broke."""
     if out.text is not None:
         if len(out.text) > TEXT_CHARS_MAX:
@@ -189,7 +188,7 @@ def _need(out: Output, what: str) -> str:
                            f"run `{what}` yourself to see the error"))
 
 
-def _guard(name: str, body: Any, *args: Any) -> Check:
+def guard(name: str, body: Any, *args: Any) -> Check:
     """Run one check body, turning unavailable facts and malformed captures into findings."""
     try:
         result: Check = body(*args)
@@ -212,14 +211,14 @@ def check_thunderbolt(facts: LinkFacts) -> Check:
     """Which ports exist, what is cabled to them, whether each Mac-to-Mac cable has an
     interface and a sane speed."""
     if isinstance(facts, LinuxFacts):
-        return _guard("thunderbolt", _thunderbolt_linux, facts)
-    return _guard("thunderbolt", _thunderbolt_macos, facts)
+        return guard("thunderbolt", _thunderbolt_linux, facts)
+    return guard("thunderbolt", _thunderbolt_macos, facts)
 
 
 def _receptacles(facts: MacFacts) -> tuple[list[TbPort], dict[str, str | None]]:
     """The receptacles, and the enX macOS made for each (None: no "Thunderbolt N" port)."""
-    sp = _need(facts.system_profiler, "system_profiler SPThunderboltDataType -json")
-    ns = _need(facts.networksetup, "networksetup -listallhardwareports")
+    sp = need(facts.system_profiler, "system_profiler SPThunderboltDataType -json")
+    ns = need(facts.networksetup, "networksetup -listallhardwareports")
     return parse_system_profiler(sp), {lp.port: lp.interface for lp in local_ports(sp, ns)}
 
 
@@ -283,10 +282,10 @@ def _ports(facts: LinkFacts) -> list[PortInfo]:
     if isinstance(facts, LinuxFacts):
         if facts.sysfs is None:
             raise _NoFacts(Finding("fail", f"cannot read sysfs: {facts.sysfs_error}"))
-        return linux_ports(dict(facts.sysfs), _need(facts.ip_addr, "ip -j -4 addr show"))
-    return macos_ports(_need(facts.system_profiler, "system_profiler SPThunderboltDataType -json"),
-                       _need(facts.networksetup, "networksetup -listallhardwareports"),
-                       _need(facts.ifconfig, "ifconfig"), facts.ibv_devices.text)
+        return linux_ports(dict(facts.sysfs), need(facts.ip_addr, "ip -j -4 addr show"))
+    return macos_ports(need(facts.system_profiler, "system_profiler SPThunderboltDataType -json"),
+                       need(facts.networksetup, "networksetup -listallhardwareports"),
+                       need(facts.ifconfig, "ifconfig"), facts.ibv_devices.text)
 
 
 def _cabled(ports: Iterable[PortInfo]) -> list[PortInfo]:
@@ -310,7 +309,7 @@ def usable_interfaces(facts: LinkFacts) -> list[str]:
 def check_addresses(facts: LinkFacts) -> Check:
     """Every cable to another host needs an IPv4 address of its own (MLX's ring dials IPv4
     literals and JACCL needs one for its GID), in a subnet no other cable shares."""
-    return _guard("addresses", _addresses, facts)
+    return guard("addresses", _addresses, facts)
 
 
 def _addresses(facts: LinkFacts) -> Check:
@@ -346,14 +345,14 @@ def _addresses(facts: LinkFacts) -> Check:
 def check_bridge(facts: LinkFacts) -> Check:
     """A bridge holding cabled Thunderbolt ports: two of them make a loop with no loop
     protection (fail); one keeps the cable's address on the bridge, where MLX cannot use it."""
-    return _guard("bridge", _bridge_linux if isinstance(facts, LinuxFacts) else _bridge_macos, facts)
+    return guard("bridge", _bridge_linux if isinstance(facts, LinuxFacts) else _bridge_macos, facts)
 
 
 def _bridge_macos(facts: MacFacts) -> Check:
-    text = _need(facts.ifconfig, "ifconfig")
+    text = need(facts.ifconfig, "ifconfig")
     bridges = parse_ifconfig_bridge_members(text)
     status = {name: e.status for name, e in parse_ifconfig(text).items()}
-    ns = _need(facts.networksetup, "networksetup -listallhardwareports")
+    ns = need(facts.networksetup, "networksetup -listallhardwareports")
     labels = {h.device: h.name for h in parse_networksetup(ns) if h.device in bridges}
     tb = {p.interface: p for p in _ports(facts) if p.kind == "thunderbolt"}
     if not tb:
@@ -430,7 +429,7 @@ def check_rdma(facts: LinkFacts) -> Check:
     worst a warning."""
     if isinstance(facts, LinuxFacts):
         return skipped("rdma", "RDMA over Thunderbolt (JACCL) is a macOS feature; Linux hosts use MLX's ring backend over TCP")
-    return _guard("rdma", _rdma, facts)
+    return guard("rdma", _rdma, facts)
 
 
 def _rdma(facts: MacFacts) -> Check:
@@ -470,256 +469,6 @@ def _rdma(facts: MacFacts) -> Check:
                                     "both ends need Thunderbolt 5 ports and RDMA enabled: run `p2pmesh doctor` on the other Mac"))
     findings.append(Finding("ok", "RDMA devices: " + ", ".join(f"rdma_{d}" for d in sorted(devices))))
     return fold("rdma", findings)
-
-
-# ---------------------------------------------------------------------------------------
-# Firewall: macOS Application Firewall
-
-
-def parse_firewall_state(text: str) -> int | None:
-    """`socketfilterfw --getglobalstate`: "Firewall is enabled. (State = 1)" -> 1 (0 off,
-    1 on, 2 on for essential services only, i.e. blocking all); None if unrecognised."""
-    m = re.search(r"State\s*=\s*([0-9])", text)
-    if m is not None:
-        return int(m.group(1))
-    return {True: 1, False: 0, None: None}[parse_on_off(text)]
-
-
-def parse_on_off(text: str) -> bool | None:
-    """--getblockall / --getstealthmode across macOS versions ("Firewall has block all state
-    set to enabled.", "Block all DISABLED!", "Firewall stealth mode is on",
-    "Stealth mode disabled") -> True/False; None when it says neither."""
-    low = text.lower()
-    if re.search(r"\b(disabled|off)\b", low):
-        return False
-    if re.search(r"\b(enabled|on)\b", low):
-        return True
-    return None
-
-
-def parse_app_blocked(text: str, path: str = "") -> bool | None:
-    """`socketfilterfw --getappblocked PATH`: True blocked, False permitted, None when the
-    app is not in the firewall's list (macOS then asks at the first incoming connection).
-    The path is cut out first, so a directory named "blocked" cannot sway the verdict."""
-    low = (text.replace(path, " ") if path else text).lower()
-    if "not blocked" in low or "permitted" in low or "allowed" in low:
-        return False
-    if "blocked" in low:
-        return True
-    return None
-
-
-def firewall_app_path(executable: str) -> str:
-    """The path the Application Firewall knows a Python by: a framework build runs as
-    .../Python.framework/Versions/X/Resources/Python.app, not as the bin/python3 symlink."""
-    m = re.match(r"(.*/Python\.framework/Versions/[^/]+)/", executable)
-    return f"{m.group(1)}/Resources/Python.app" if m else executable
-
-
-@dataclass(frozen=True, slots=True)
-class MacFirewallFacts:
-    """socketfilterfw's four answers, and the path the firewall knows this Python by."""
-
-    global_state: Output
-    block_all: Output
-    stealth: Output
-    app_blocked: Output
-    app_path: str
-
-
-def check_firewall_macos(facts: MacFirewallFacts) -> Check:
-    """Off is fine; "block all" or a blocked Python fails; on without Python listed warns."""
-    return _guard("firewall", _firewall_macos, facts)
-
-
-def _firewall_macos(facts: MacFirewallFacts) -> Check:
-    state = parse_firewall_state(_need(facts.global_state, "socketfilterfw --getglobalstate"))
-    if state is None:
-        return fold("firewall", [Finding("warn", f"unrecognised firewall state {facts.global_state.text!r}"[:160],
-                                         f"run `{FIREWALL_TOOL} --getglobalstate` yourself")])
-    if state == 0:
-        return fold("firewall", [Finding("ok", "the Application Firewall is off")])
-    app = shlex.quote(facts.app_path)
-    details = []
-    stealth = parse_on_off(facts.stealth.text) if facts.stealth.text else None
-    if stealth:
-        details.append("stealth mode is on: pings and probes of closed ports go unanswered (p2pmesh needs neither)")
-    block_all = parse_on_off(facts.block_all.text) if facts.block_all.text else None
-    if state == 2 or block_all:
-        return fold("firewall", [Finding(
-            "fail", "the firewall blocks all incoming connections: peers cannot connect and mDNS answers are dropped",
-            "System Settings > Network > Firewall > Options: turn off 'Block all incoming connections'")], details)
-    blocked = parse_app_blocked(facts.app_blocked.text, facts.app_path) if facts.app_blocked.text else None
-    allow = f"`sudo {FIREWALL_TOOL} --add {app}` then `sudo {FIREWALL_TOOL} --unblockapp {app}`"
-    if blocked:
-        finding = Finding("fail", f"the firewall blocks incoming connections to {facts.app_path}",
-                          f"allow incoming connections for python in the Application Firewall: {allow} (or System "
-                          "Settings > Network > Firewall > Options)")
-    elif blocked is None:
-        finding = Finding("warn", f"the firewall is on and {facts.app_path} is not in its list: macOS asks at the first "
-                          "incoming connection, and on a headless Mac or over SSH nobody answers",
-                          f"allow incoming connections for python in the Application Firewall: {allow}")
-    else:
-        finding = Finding("ok", f"the firewall is on and lets {facts.app_path} accept connections")
-    return fold("firewall", [finding], details)
-
-
-# ---------------------------------------------------------------------------------------
-# Firewall: Linux packet filters (a heuristic reading of iptables-save / nft list ruleset)
-
-
-@dataclass(frozen=True, slots=True)
-class PortRule:
-    """One rule that matches destination ports and decides: accept or drop."""
-
-    protocol: str  # "tcp", "udp" or "any"
-    ports: tuple[tuple[int, int], ...]  # inclusive ranges
-    verdict: Literal["accept", "drop"]
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class InputFilter:
-    """What a ruleset does to incoming packets, as far as the agent's ports are concerned."""
-
-    source: str
-    rules: tuple[PortRule, ...]
-    default_drop: bool  # an input policy of drop, or a catch-all drop/reject rule
-
-
-_VERDICTS = {"ACCEPT": "accept", "DROP": "drop", "REJECT": "drop", "accept": "accept", "drop": "drop", "reject": "drop"}
-
-
-def _port_ranges(text: str) -> tuple[tuple[int, int], ...]:
-    out = []
-    for part in re.split(r"[,\s]+", text.strip("{} ")):
-        if not part:
-            continue
-        m = re.fullmatch(r"([0-9]{1,5})(?:[:-]([0-9]{1,5}))?", part)
-        if m is None:
-            return ()  # a named service or a set we cannot read: no claim about it
-        lo = int(m.group(1))
-        out.append((lo, int(m.group(2) or lo)))
-    return tuple(out)
-
-
-def parse_iptables_save(text: str) -> InputFilter:
-    """The filter table of `iptables-save`: the INPUT policy and every rule with --dport(s).
-    Chains are not followed; a rule in any chain but OUTPUT/FORWARD counts as it reads."""
-    rules, default_drop, table = [], False, None
-    for line in text[:TEXT_CHARS_MAX].splitlines():
-        line = line.strip()
-        if line.startswith("*"):
-            table = line[1:]
-        elif table != "filter":
-            continue
-        elif line.startswith(":INPUT ") and line.split()[1] in ("DROP", "REJECT"):
-            default_drop = True
-        elif line.startswith("-A ") and "!" not in line:
-            try:
-                words = shlex.split(line)
-            except ValueError:
-                continue
-            chain = words[1] if len(words) > 1 else ""
-            target = words[words.index("-j") + 1] if "-j" in words[:-1] else ""
-            if chain in ("OUTPUT", "FORWARD") or target not in _VERDICTS:
-                continue
-            verdict = _VERDICTS[target]
-            ports = next((words[i + 1] for i, w in enumerate(words[:-1]) if w in ("--dport", "--dports", "--destination-port")), None)
-            if ports is not None:
-                proto = words[words.index("-p") + 1] if "-p" in words[:-1] else "any"
-                ranges = _port_ranges(ports)
-                if ranges:
-                    rules.append(PortRule(proto, ranges, verdict, line))  # type: ignore[arg-type]
-            elif chain == "INPUT" and verdict == "drop" and _catch_all(words):
-                default_drop = True
-    return InputFilter("iptables-save", tuple(rules), default_drop)
-
-
-def _catch_all(words: list[str]) -> bool:
-    """`-A INPUT -j DROP` (optionally with a comment or --reject-with): matches everything."""
-    rest = list(words[2:])
-    for option in ("--comment", "--reject-with", "-j"):
-        if option in rest[:-1]:
-            i = rest.index(option)
-            del rest[i:i + 2]
-    return all(w in ("-m", "comment") for w in rest)
-
-
-_NFT_PORTS = re.compile(r"\b(tcp|udp|th) dport (\{[^}]*\}|[0-9]{1,5}(?:-[0-9]{1,5})?)")
-_NFT_VERDICT = re.compile(r"\b(accept|drop|reject)\b")
-
-
-def parse_nft_ruleset(text: str) -> InputFilter:
-    """`nft list ruleset`: base chains hooked on input (their policy and a final catch-all
-    drop/reject) and every dport rule outside output/forward chains."""
-    rules, default_drop = [], False
-    hook: str | None = None
-    for raw in text[:TEXT_CHARS_MAX].splitlines():
-        line = raw.strip()
-        if line.startswith(("table ", "set ", "map ", "flowtable ")):
-            hook = None  # not a chain: its lines are no rules
-            continue
-        if line.startswith("chain "):
-            hook = ""  # a regular chain until a "type ... hook" line says otherwise
-            continue
-        m = re.search(r"\bhook (\w+)", line)
-        if line.startswith("type ") and m is not None:
-            hook = m.group(1)
-            if hook == "input" and re.search(r"policy (drop|reject)", line):
-                default_drop = True
-            continue
-        if hook is None or hook in ("output", "forward", "postrouting", "prerouting") or line in ("}", ""):
-            continue
-        verdicts = _NFT_VERDICT.findall(line)
-        ports = _NFT_PORTS.search(line)
-        if ports is not None and verdicts and "!=" not in line:
-            ranges = _port_ranges(ports.group(2))
-            if ranges:
-                proto = "any" if ports.group(1) == "th" else ports.group(1)
-                rules.append(PortRule(proto, ranges, _VERDICTS[verdicts[-1]], line))  # type: ignore[arg-type]
-        elif hook == "input" and re.fullmatch(r"(counter( packets \d+ bytes \d+)? )?(drop|reject( with .*)?)", line):
-            default_drop = True
-    return InputFilter("nft", tuple(rules), default_drop)
-
-
-def port_verdict(f: InputFilter, protocol: str, port: int) -> Literal["accept", "drop", "default-drop", "open"]:
-    """The first rule that matches the port decides (rules are read in order, as the kernel
-    does within a chain); with none, the default."""
-    for rule in f.rules:
-        if rule.protocol in (protocol, "any") and any(lo <= port <= hi for lo, hi in rule.ports):
-            return rule.verdict
-    return "default-drop" if f.default_drop else "open"
-
-
-def check_firewall_linux(sources: Sequence[tuple[str, Output]], ports: Sequence[tuple[str, int, str]], *,
-                         root: bool) -> Check:
-    """``sources``: ("nft" | "iptables-save", output); ``ports``: (protocol, port, what for)."""
-    if all(out.missing for _, out in sources):
-        return skipped("firewall", "neither nft nor iptables-save is installed, so there are no packet filter rules to read")
-    filters = []
-    errors = []
-    for name, out in sources:
-        if out.text is not None:
-            filters.append(parse_nft_ruleset(out.text) if name == "nft" else parse_iptables_save(out.text))
-        elif not out.missing:
-            errors.append(f"{name}: {out.error}")
-    if not filters:
-        return fold("firewall", [Finding("skip", f"cannot read the packet filter rules ({'; '.join(errors)})",
-                                         None if root else "reading them needs root: run `sudo p2pmesh doctor`")])
-    findings = []
-    for proto, port, what in ports:
-        verdicts = {f.source: port_verdict(f, proto, port) for f in filters}
-        droppers = " and ".join(src for src, v in verdicts.items() if v == "drop")
-        allow = (f"allow {port}/{proto}, e.g. `sudo nft add rule inet filter input {proto} dport {port} accept`, "
-                 f"`sudo iptables -I INPUT -p {proto} --dport {port} -j ACCEPT` or `sudo ufw allow {port}/{proto}`")
-        if droppers:
-            findings.append(Finding("fail", f"a rule in {droppers} drops {port}/{proto} ({what})", allow))
-        elif "default-drop" in verdicts.values() and "accept" not in verdicts.values():
-            findings.append(Finding("warn", f"incoming {port}/{proto} ({what}) falls through to a drop policy", allow))
-        else:
-            findings.append(Finding("ok", f"{port}/{proto} ({what}) is not dropped"))
-    return fold("firewall", findings, [f"read: {', '.join(f.source for f in filters)}", *errors])
 
 
 # ---------------------------------------------------------------------------------------
@@ -806,11 +555,11 @@ def _advert_findings(adverts: Sequence[SeenAdvert], own: str | None, fingerprint
 
 def check_mlx(probe: Output, platform: str) -> Check:
     """The MLX probe's JSON (version, device, Metal, a 2x2 matmul, ring backend, mlx-lm)."""
-    return _guard("mlx", _mlx, probe, platform)
+    return guard("mlx", _mlx, probe, platform)
 
 
 def _mlx(probe: Output, platform: str) -> Check:
-    text = _need(probe, "the MLX probe")
+    text = need(probe, "the MLX probe")
     try:
         facts = json.loads(text.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -887,12 +636,12 @@ def parse_meminfo(text: str) -> tuple[int, int]:
 def check_memory_macos(vm_stat: Output, memsize: Output, wired_limit: Output) -> Check:
     """Available = free + inactive + speculative pages (what macOS hands out without
     swapping); plus the GPU wired limit (iogpu.wired_limit_mb, 0 = macOS's default)."""
-    return _guard("memory", _memory_macos, vm_stat, memsize, wired_limit)
+    return guard("memory", _memory_macos, vm_stat, memsize, wired_limit)
 
 
 def _memory_macos(vm_stat: Output, memsize: Output, wired_limit: Output) -> Check:
-    vm = parse_vm_stat(_need(vm_stat, "vm_stat"))
-    total = parse_sysctl_int(_need(memsize, "sysctl hw.memsize"), "hw.memsize")
+    vm = parse_vm_stat(need(vm_stat, "vm_stat"))
+    total = parse_sysctl_int(need(memsize, "sysctl hw.memsize"), "hw.memsize")
     available = vm["page size"] * sum(vm.get(k, 0) for k in ("pages free", "pages inactive", "pages speculative"))
     findings = [_memory_level(total, min(available, total), "quit memory-hungry apps (Activity Monitor > Memory)")]
     details = []
@@ -918,10 +667,10 @@ def _memory_macos(vm_stat: Output, memsize: Output, wired_limit: Output) -> Chec
 
 def check_memory_linux(meminfo: Output) -> Check:
     def body() -> Check:
-        total, available = parse_meminfo(_need(meminfo, "/proc/meminfo"))
+        total, available = parse_meminfo(need(meminfo, "/proc/meminfo"))
         return fold("memory", [_memory_level(total, available, "stop memory-hungry processes")])
 
-    return _guard("memory", body)
+    return guard("memory", body)
 
 
 def _memory_level(total: int, available: int, quit_apps: str) -> Finding:
