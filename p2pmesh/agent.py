@@ -30,6 +30,7 @@ import trio
 from p2pmesh import http_api, link_tasks, models
 from p2pmesh.core import validate, wire
 from p2pmesh.core.identity import Identity
+from p2pmesh.core.ids import ClusterId
 from p2pmesh.core.machine import (
     FrameReceived,
     Input,
@@ -38,6 +39,7 @@ from p2pmesh.core.machine import (
     Machine,
     PeerDiscovered,
     ProposalRequested,
+    ReadRequested,
     Ready,
     TimerFired,
 )
@@ -62,6 +64,10 @@ DEFAULT_CONTEXT_TOKENS = 4096
 CLIENT_EVENTS_MAX = 8192
 PROMPT_CHARS_MAX = 1 << 20
 MAX_TOKENS_MAX = 1 << 16
+READ_TIMEOUT_S = 5.0
+"""A linearizable read that no leader confirmed in this time fails (the client retries)."""
+READS_PENDING_MAX = 256
+LOG_ENTRIES_MAX = 256
 
 
 def default_state_dir() -> Path:
@@ -109,6 +115,15 @@ def _capabilities() -> Capabilities:
     return Capabilities(int(memory), platform.processor() or platform.machine())
 
 
+@dataclass(slots=True)
+class _PendingRead:
+    """A control client's linearizable read, waiting for the core's ReadIndex answer."""
+
+    cluster: ClusterId
+    done: trio.Event
+    answer: dict[str, Any] | None = None
+
+
 class Agent:
     """A running agent: the machine, its storage and its transport."""
 
@@ -132,6 +147,12 @@ class Agent:
         self.clients: dict[str, trio.MemorySendChannel[ClientEvent]] = {}
         self.supervisor = Supervisor(self, base_port=config.data_port_base, model_root=config.model_root)
         self._requests = 0
+        self.reads: dict[int, _PendingRead] = {}
+        self._read_ctx = 0
+        self._acted: tuple[ClusterId, int, int] | None = None
+        """(cluster, incarnation, commit index) as of the last Ready whose durable part is saved: what
+        may be shown as committed (the leader counts its own entries before they are on disk,
+        so the live commit index can run ahead of the persistence contract)."""
 
     @staticmethod
     def now_ms() -> int:
@@ -236,8 +257,107 @@ class Agent:
                 except trio.WouldBlock:  # a client that stopped reading: drop it, not the loop
                     self.clients.pop(event.req, None)
                     channel.close()
+        if ready.reads or self.reads:
+            self._answer_reads(ready.reads)
+        m = self.machine
+        r = m.raft if m is not None else None
+        self._acted = (r.cluster, m.inc, r.commit) if m is not None and r is not None else None
         if ready.left:
             self.left.set()
+
+    # ------------------------------------------------------------------------------
+    # Reads for control clients (the chaos tool's history, scripts/chaos.py)
+
+    async def read_members(self, *, linearizable: bool = True) -> dict[str, Any]:
+        """Control op `members`: the committed membership. Linearizable (the default) goes
+        through ReadIndex: the answer reflects every entry committed before the request."""
+        m = self.machine
+        r = m.raft if m is not None else None
+        if r is None or self._acted is None:
+            return {"ok": False, "error": "this agent is not in a cluster yet"}
+        if not linearizable:
+            return {"ok": True, **self._membership()}
+        if len(self.reads) >= READS_PENDING_MAX:
+            return {"ok": False, "error": f"{READS_PENDING_MAX} reads are already waiting here; retry later"}
+        self._read_ctx += 1
+        ctx = self._read_ctx
+        pending = self.reads[ctx] = _PendingRead(r.cluster, trio.Event())
+        try:
+            await self.inbox_send.send(ReadRequested(ctx))
+            with trio.move_on_after(READ_TIMEOUT_S):
+                await pending.done.wait()
+        finally:
+            self.reads.pop(ctx, None)
+        return pending.answer or {"ok": False, "error": f"no leader confirmed the read within {READ_TIMEOUT_S:g} s; retry"}
+
+    def _answer_reads(self, results: list[tuple[int, bool]]) -> None:
+        # Called after the Ready's durable part is saved, with the machine as that Ready
+        # left it: the applied state is at least the read's index.
+        r = self.machine.raft if self.machine is not None else None
+        for ctx, ok in results:
+            pending = self.reads.get(ctx)
+            if pending is None or pending.done.is_set():
+                continue
+            if not ok:
+                pending.answer = {"ok": False, "error": "the cluster could not confirm its leader for the read (an election "
+                                  "or a partition); retry"}
+            elif r is None or r.cluster != pending.cluster:
+                pending.answer = {"ok": False, "error": "this agent changed clusters during the read; retry"}
+            else:
+                pending.answer = {"ok": True, **self._membership()}
+            pending.done.set()
+        # The old cluster's Raft held the reads still waiting: they end with it.
+        for pending in self.reads.values():
+            if not pending.done.is_set() and (r is None or r.cluster != pending.cluster):
+                pending.answer = {"ok": False, "error": "this agent changed clusters during the read; retry"}
+                pending.done.set()
+
+    def _membership(self) -> dict[str, Any]:
+        m = self.machine
+        assert m is not None and m.raft is not None
+        r = m.raft
+        return {
+            "cluster_id": r.cluster,
+            "index": r.applied,
+            "term": r.term,
+            "leader": r.leader.node_id if r.leader is not None else None,
+            "me": {"node_id": self.identity.node_id, "inc": m.inc},
+            "members": [{"node_id": x.node_id, "inc": x.inc, "voter": x.voter, "up": x.up} for x in r.state.members],
+        }
+
+    def leave_outcome(self) -> dict[str, Any]:
+        """How a graceful leave ended: ``confirmed`` when the cluster committed the removal
+        of this incarnation (``inc``) before the agent stopped."""
+        m = self.machine
+        if m is None or not self.left.is_set():
+            return {"confirmed": False}
+        return {"confirmed": m.leave_confirmed, "cluster_id": m.raft.cluster if m.raft is not None else None,
+                "node_id": self.identity.node_id, "inc": m.inc}
+
+    def committed_log(self, after: int, count_max: int) -> dict[str, Any]:
+        """Control op `log`: committed entries after index ``after`` as [index, term,
+        digest], at most ``count_max`` (and LOG_ENTRIES_MAX), from what the log still holds
+        (entries up to a snapshot are compacted away: ``snapshot_index``)."""
+        m = self.machine
+        r = m.raft if m is not None else None
+        if r is None or self._acted is None:
+            return {"ok": False, "error": "this agent is not in a cluster yet"}
+        if self._acted[:2] != (r.cluster, m.inc):  # type: ignore[union-attr]
+            # A merge or a rejoin started a new log whose first Ready is still being saved.
+            return {"ok": False, "error": "this agent is switching to a new log; retry"}
+        commit = self._acted[2]
+        lo = max(after + 1, r.log.first_index)
+        count = max(0, min(count_max, LOG_ENTRIES_MAX, commit - lo + 1))
+        entries = r.log.slice(lo, count) if count else ()
+        return {
+            "ok": True,
+            "cluster_id": r.cluster,
+            "inc": m.inc,  # type: ignore[union-attr]
+            "pid": os.getpid(),
+            "commit": commit,
+            "snapshot_index": r.log.snapshot.index,
+            "entries": [[e.index, e.term, wire.digest(e.command)] for e in entries],
+        }
 
     def request_leave(self) -> None:
         self.inbox_send.send_nowait(LeaveRequested())

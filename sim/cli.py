@@ -4,6 +4,7 @@
   python -m sim sweep --seeds A-B --nodes N --duration-s T [--faults all] [--plant NAME] [--workers K]
   python -m sim rings --seeds A-B [--nodes N]
   python -m sim serving --seeds A-B [--nodes N] [--faults F,...] [--workers K] [--trace FILE]
+  python -m sim chaos --schedule FILE | --seed S | --seeds A-B [--hosts N --minutes M]  (sim/chaos_cli.py)
   python -m sim plants
   python -m sim demo
 
@@ -73,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     rings.add_argument("--seeds", type=_seed_range, required=True, help="A-B (inclusive)")
     rings.add_argument("--nodes", type=_nodes, default=4)
     _add_serving_parser(sub)
+    from sim.chaos_cli import add_parser as add_chaos_parser
+
+    add_chaos_parser(sub, _seed_range)
     sub.add_parser("plants", help="list the planted bugs")
     demo = sub.add_parser("demo", help="a narrated 5-node cluster")
     demo.add_argument("--seed", type=int, default=7)
@@ -95,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         return _rings(args)
     if args.command == "serving":
         return _serving(args)
+    if args.command == "chaos":
+        from sim.chaos_cli import run as run_chaos
+
+        return run_chaos(args)
     return _sweep(args)
 
 

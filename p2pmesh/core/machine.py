@@ -321,6 +321,9 @@ class Machine:
         self.joining: NodeId | None = None
         self.join_started_ms = 0
         self.leaving = False
+        self.leave_confirmed = False
+        """A graceful leave ended because the cluster committed this incarnation's removal
+        (not because the deadline passed, or because there was no cluster to leave)."""
         self.leave_deadline_ms = 0
         self.rejected_frames = 0
         """Frames dropped for any reason (stale cluster or incarnation included)."""
@@ -768,7 +771,7 @@ class Machine:
             self.rejected_frames += 1  # only a voter of our cluster may tell us this
             return
         if self.leaving:
-            self._finish_leave()
+            self._finish_leave(confirmed=True)
         else:
             self._become_unformed(now_ms, "removed from the cluster")
 
@@ -950,7 +953,17 @@ class Machine:
             # Leaving silently would leave a member behind that is down until removed minutes
             # later; wait for the log (or the deadline) and then leave properly.
             return
-        if not still_member or (len(r.config.voters) <= 1 and not r.config.learners):
+        if not still_member:
+            # Our removal is in our log, but a config entry takes effect when appended, so it
+            # may not be committed yet: stopping now could leave a departed voter in the
+            # configuration. The leader's RemovalNotice (sent when the removal commits) or
+            # applying the removal ourselves ends the leave; the deadline bounds the wait.
+            # (A leader outside its own configuration was the last voter: nobody confirms.)
+            if r.role is not Role.LEADER and any(m.node_id == self.node_id and m.inc == self.inc for m in r.state.members):
+                return
+            self._finish_leave(confirmed=r.role is not Role.LEADER)
+            return
+        if len(r.config.voters) <= 1 and not r.config.learners:
             self._finish_leave()
             return
         if self._holds_layers() and now_ms < self.leave_deadline_ms - self.settings.leave_timeout_ms:
@@ -977,7 +990,8 @@ class Machine:
             return False
         return any(s.node_id == self.node_id for s in (*r.state.active, *r.state.placement))
 
-    def _finish_leave(self) -> None:
+    def _finish_leave(self, *, confirmed: bool = False) -> None:
+        self.leave_confirmed = confirmed
         self.mode = Mode.LEFT
         self.ready.left = True
         self.ready.events.append(ClusterEvent("left cluster", self.cluster or "-"))

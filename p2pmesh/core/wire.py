@@ -11,6 +11,7 @@ Length-prefixing for TCP lives in the transport driver; this module only does bo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import types
 import typing
 from collections.abc import Callable
@@ -51,6 +52,15 @@ def encode(message: Any) -> bytes:
     """Encode a registered value as a frame body."""
     body = _encode_value(message)
     return msgpack.packb([PROTOCOL_VERSION, *body], use_bin_type=True)
+
+
+def digest(value: Any) -> str:
+    """A short fingerprint of a registered value (16 hex digits of SHA-256 of its encoding).
+
+    The encoding is canonical (fields in declaration order, no maps), so two processes
+    holding equal values get equal digests: the chaos tool compares committed entries
+    across agents and the simulator by digest (scripts/chaos.py, sim/history.py)."""
+    return hashlib.sha256(encode(value)).hexdigest()[:16]
 
 
 def decode(data: bytes) -> Any:

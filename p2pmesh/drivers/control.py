@@ -2,6 +2,9 @@
 client API use to talk to the agent. One JSON request line in; one JSON response line out,
 or for a streaming op (``generate``) one JSON line per event until a line with
 ``"final": true``. Requests are bounded in size and time (a stream: in time between events).
+Ops: ``status``, ``model``, ``leave``, ``generate``, and for the chaos tool's history
+(scripts/chaos.py) ``members`` (the committed membership, a linearizable ReadIndex read by
+default) and ``log`` (committed entries as index, term and digest, in bounded pages).
 """
 from __future__ import annotations
 
@@ -30,6 +33,12 @@ class _Agent(Protocol):
     async def set_model(self, request: dict[str, Any]) -> dict[str, Any]: ...
 
     def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def read_members(self, *, linearizable: bool = True) -> dict[str, Any]: ...
+
+    def committed_log(self, after: int, count_max: int) -> dict[str, Any]: ...
+
+    def leave_outcome(self) -> dict[str, Any]: ...
 
     left: trio.Event
     control_active: int
@@ -143,11 +152,21 @@ async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:
         return {"ok": True, "status": agent.status()}
     if op == "model":
         return await agent.set_model(request)
+    if op == "members":
+        linearizable = request.get("linearizable", True)
+        if not isinstance(linearizable, bool):
+            return {"ok": False, "error": "members: linearizable must be true or false"}
+        return await agent.read_members(linearizable=linearizable)
+    if op == "log":
+        after, count = request.get("after", 0), request.get("count_max", 256)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in (after, count)):
+            return {"ok": False, "error": "log: after and count_max must be non-negative integers"}
+        return agent.committed_log(after, count)
     if op == "leave":
         agent.request_leave()
         with trio.move_on_after(min(LEAVE_TIMEOUT_MAX_S, float(request.get("timeout_s", LEAVE_WAIT_DEFAULT_S)))):
             await agent.left.wait()
-        return {"ok": True, "left": agent.left.is_set()}
+        return {"ok": True, "left": agent.left.is_set(), **agent.leave_outcome()}
     return {"ok": False, "error": f"unknown op {op!r}"}
 
 
@@ -211,6 +230,8 @@ def request(path: Path, op: str, *, timeout_s: float = 15.0, **fields: Any) -> d
         raise ControlError(f"the agent at {path} did not answer: {exc}") from None
     finally:
         s.close()
+    if not buf:
+        raise ControlError(f"the agent at {path} closed the connection without answering (did it stop?)")
     try:
         answer = json.loads(buf)
     except ValueError:

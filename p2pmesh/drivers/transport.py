@@ -6,6 +6,10 @@ length-prefixed frames (4-byte big-endian length, then a wire.py body).
 - Each peer has a bounded send queue; a full queue drops the frame (Raft retransmits) and
   counts it. Frames above wire.FRAME_BYTES_MAX close the connection.
 - Dialing retries with exponential backoff and jitter, bounded in count per address.
+- A connection whose path died ends within seconds (TCP user timeout DEAD_PATH_S, and
+  keepalives), so the next send redials over the peer's other addresses: a pulled
+  Thunderbolt cable must not silence two Macs the LAN still joins (TCP alone retries for
+  minutes).
 - Handshakes have a timeout and a concurrency limit, so a flood of connections cannot
   exhaust memory or starve the cluster. Admission failures are logged once per remote
   address per minute.
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 import ssl
 import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +47,17 @@ DIAL_BACKOFF_MIN_S = 0.05
 DIAL_BACKOFF_MAX_S = 2.0
 DIAL_ATTEMPTS_MAX = 100_000
 CONNECTIONS_MAX = 256
+DEAD_PATH_S = 1
+"""Data unacknowledged for this long ends a connection (TCP user timeout; acknowledgements
+come from the peer's kernel, so a busy peer or one stopped for seconds does not trip it;
+a stopped one whose receive buffer fills up eventually does, and is redialed), and so do
+keepalives unanswered for about 3 s on an idle one. Found by scripts/chaos.py: with a ring
+cable pulled, the connection between its two ends stalled for as long as the cable was out,
+so the leader marked the other end down and it rejoined with a fresh incarnation, though
+the LAN joined them all along. It must stay well under standalone_after_ms (3 s)."""
+KEEPALIVE_PROBES = 2
+_DARWIN_TCP_RXT_CONNDROPTIME = 0x80
+"""macOS's counterpart of Linux's TCP_USER_TIMEOUT (netinet/tcp.h), in seconds."""
 REFUSAL_LOG_HOSTS_MAX = 1024
 """Remote hosts whose last refusal time is remembered (for the once-a-minute warning)."""
 _LEN = struct.Struct(">I")
@@ -188,6 +205,7 @@ class Transport:
     async def _handshake(
         self, stream: trio.SocketStream, expect: NodeId | None, dialed: bool, address: str | None
     ) -> NodeId | None:
+        _end_on_dead_path(stream.socket)
         ctx = self.client_ctx if dialed else self.server_ctx
         tls = trio.SSLStream(stream, ctx, server_side=not dialed, server_hostname=None if not dialed else "p2pmesh")
         remote = _remote_name(stream)
@@ -291,6 +309,23 @@ class Transport:
                 self._last_refusal_log.clear()
             self._last_refusal_log[host] = now
             log.warning("refused connection from %s: %s (cluster key or identity mismatch?)", remote, exc)
+
+
+def _end_on_dead_path(sock: Any) -> None:
+    """Ask the kernel to end this connection when its path dies (DEAD_PATH_S)."""
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPALIVE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        if hasattr(socket, name) and not (name == "TCP_KEEPALIVE" and sys.platform != "darwin"):
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        options.append((socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, DEAD_PATH_S * 1000))
+    elif sys.platform == "darwin":
+        options.append((socket.IPPROTO_TCP, _DARWIN_TCP_RXT_CONNDROPTIME, DEAD_PATH_S))
+    for level, option, value in options:
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError:  # an option this kernel lacks: the others still help
+            pass
 
 
 def _remote_name(stream: trio.SocketStream) -> str:
