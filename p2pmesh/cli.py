@@ -279,7 +279,8 @@ def _leave(path: Path, timeout_s: float) -> int:
     except client.P2PMeshError as exc:
         print(f"p2pmesh: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    print("left the cluster" if left else "leaving (not yet confirmed)")
+    print("left the cluster (the others confirmed it)" if left else
+          "stopped without the cluster's confirmation (no leader answered in time); the others mark this Mac down")
     return EXIT_OK
 
 

@@ -974,7 +974,9 @@ class AsyncClient:
 
 def _p_leave(timeout_s: float) -> _Plan[bool]:
     answer = yield _Ask({"op": "leave", "timeout_s": timeout_s}, timeout_s + REQUEST_TIMEOUT_S)
-    return bool(answer.get("left"))
+    # `confirmed`: the cluster committed this Mac's removal (an agent that only stopped at
+    # its deadline has `left` but not `confirmed`); older agents answer `left` alone.
+    return bool(answer.get("confirmed", answer.get("left")))
 
 
 class AsyncGeneration:
