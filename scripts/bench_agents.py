@@ -16,6 +16,7 @@ Results print as a Markdown table; docs/benchmarks.md records them with this com
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import statistics
 import sys
@@ -112,6 +113,7 @@ def round_merge(root: Path, key: Path, r: int) -> float:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     args = p.parse_args()
     require_root()
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,6 +131,10 @@ def main() -> int:
     print(f"| leader SIGKILL to a new leader committing | {failover * 1000:.0f} ms | <= 1000 ms | {failover * 1000 / 300:.2f}x the 300 ms max election timeout |")
     print(f"| cables plugged between two clusters to one cluster of 4 | {merge:.2f} s | <= 5 s | {merge / POLL_S:.2f}x the {POLL_S:.0f} s interface poll period |")
     print(f"\nrounds: formation {[round(x[1], 2) for x in ff]}, failover {[round(x[2], 3) for x in ff]}, merge {[round(m, 2) for m in merges]}")
+    if args.json:
+        raw = {"rounds": args.rounds, "answer_s": [x[0] for x in ff], "formation_s": [x[1] for x in ff],
+               "failover_s": [x[2] for x in ff], "merge_s": merges, "poll_s": POLL_S, "election_max_ms": 300}
+        Path(args.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

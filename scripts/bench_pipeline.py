@@ -193,6 +193,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--hops", type=int, default=300)
+    p.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     p.add_argument("--hop-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tcp-echo", type=int, help=argparse.SUPPRESS)
     p.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
@@ -231,6 +232,10 @@ def main() -> int:
     print(f"| raw TCP round trip, same bytes, same run | {tcp_rtt:.0f} µs | | |")
     print(f"| one decode step's messages: header + activation 0->1, token 1->0 | {hop['step_us']:.0f} µs | | |")
     print(f"| per hop / TCP round trip | {per_hop / tcp_rtt:.2f}x | <= 2x | {'yes' if per_hop <= 2 * tcp_rtt else 'no'} |")
+    if a.json:
+        raw = {"hidden": a.hidden, "layers": a.layers, "tokens": a.tokens, "runs": a.runs, "hops": a.hops, "params": params,
+               "single_tok_s": single, "pipeline_tok_s": pipe, "hop_rtt_us": hop_rtt, "step_us": hop["step_us"], "tcp_rtt_us": tcp_rtt}
+        Path(a.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import random
 import statistics
 import sys
@@ -122,7 +123,7 @@ def describe(plan: Plan) -> str:
     return " ".join(f"{s.node_id}:{s.layers}" for s in plan.stages)
 
 
-def scenario_table() -> bool:
+def scenario_table(raw: list[dict] | None = None) -> bool:
     print("| scenario | cluster | ours tpot (ms) | ours stages | mem-prop tpot (ms) | mem-prop stages | ratio | best single (ms) | ours <= single | ratio target | met |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     all_met = True
@@ -145,6 +146,9 @@ def scenario_table() -> bool:
         all_met &= met
         print(f"| {s.key} | {s.what} | {ours.tpot_ms:.1f} | {describe(ours)} | {base.tpot_ms:.1f}{note} | {describe(base)} | "
               f"{ratio:.3f} | {fmt(single)} | {'yes' if never_worse else 'NO'} | {target} | {'yes' if met else 'NO'} |")
+        if raw is not None:
+            raw.append({"key": s.key, "what": s.what, "ours_tpot_ms": ours.tpot_ms, "base_tpot_ms": base.tpot_ms, "ratio": ratio,
+                        "single_best_ms": single, "never_worse": never_worse, "homogeneous": s.homogeneous, "met": met})
     return all_met
 
 
@@ -190,7 +194,7 @@ def timed(fn: object) -> float:
     return (time.perf_counter() - t) * 1000
 
 
-def solve_times(runs: int) -> bool:
+def solve_times(runs: int, raw: list[dict] | None = None) -> bool:
     print(f"| solve time, {runs} random clusters | median (ms) | max (ms) | baseline: memory-proportional median (ms) | target |")
     print("|---|---|---|---|---|")
     ok = True
@@ -207,18 +211,27 @@ def solve_times(runs: int) -> bool:
             graph = ("TB ring + Ethernet LAN" if dense else "TB ring") + (", identical Macs" if same else "")
             print(f"| {n} x 128, {graph}, {objective} | {statistics.median(ours):.1f} | {max(ours):.1f} | "
                   f"{statistics.median(base):.2f} | <= {target:.0f} |")
+            if raw is not None:
+                raw.append({"nodes": n, "graph": graph, "objective": objective, "median_ms": statistics.median(ours),
+                            "max_ms": max(ours), "base_median_ms": statistics.median(base), "target_ms": target})
     return ok
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     args = p.parse_args()
-    met = scenario_table()
+    scenario_raw: list[dict] = []
+    solve_raw: list[dict] = []
+    met = scenario_table(scenario_raw)
     print()
     concurrency_table()
     print()
-    fast = solve_times(args.runs)
+    fast = solve_times(args.runs, solve_raw)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": args.runs, "scenarios": scenario_raw, "solve": solve_raw}, indent=1) + "\n",
+                                   encoding="utf-8")
     print()
     print(f"scenario targets {'met' if met else 'NOT met'}; solve time {'within' if fast else 'OVER'} 50 ms at the max")
     return 0

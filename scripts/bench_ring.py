@@ -13,6 +13,7 @@ run: the same solver on the bare 16-node ring (the least work possible).
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -60,9 +61,11 @@ def timed(nodes: list[str], links: list[Link]) -> tuple[float, bool]:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--graphs", type=int, default=50)
+    p.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     args = p.parse_args()
     rng = random.Random(2026)
     base = statistics.median(timed(*graph(rng, 0, False))[0] for _ in range(args.graphs))
+    raw: dict = {"graphs": args.graphs, "bare_ring_median_ms": base, "rows": []}
     print("| 16 nodes | median ms | max ms | exact | ratio to bare ring |")
     print("|---|---|---|---|---|")
     print(f"| bare Thunderbolt ring (baseline) | {base:.2f} | | | 1.0 |")
@@ -71,10 +74,15 @@ def main() -> int:
         ms = [r[0] for r in runs]
         exact = sum(1 for r in runs if r[1])
         print(f"| {label} | {statistics.median(ms):.2f} | {max(ms):.1f} | {exact}/{len(runs)} | {statistics.median(ms) / base:.1f} |")
+        raw["rows"].append({"label": label, "median_ms": statistics.median(ms), "max_ms": max(ms), "exact": exact, "graphs": len(runs)})
     runs = [timed(*cluster_graph(rng)) for _ in range(args.graphs)]
     ms = [r[0] for r in runs]
     exact = sum(1 for r in runs if r[1])
     print(f"| cluster graph: Thunderbolt islands + network paths | {statistics.median(ms):.2f} | {max(ms):.1f} | {exact}/{len(runs)} | {statistics.median(ms) / base:.1f} |")
+    raw["rows"].append({"label": "cluster graph: Thunderbolt islands + network paths", "median_ms": statistics.median(ms), "max_ms": max(ms),
+                        "exact": exact, "graphs": len(runs)})
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

@@ -17,6 +17,7 @@ Target (issue 4): cable pulled to a new committed ring <= 1 s.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -46,6 +47,7 @@ def ring_of(a: AgentProc) -> dict | None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     args = ap.parse_args()
     require_root()
     root = Path(tempfile.mkdtemp(prefix="p2pmesh-bench-ring-"))
@@ -107,6 +109,10 @@ def main() -> int:
               f"| link-watch period {WATCH_PERIOD_S * 1000:.0f} ms; status round trip {statistics.median(rtt_status) * 1000:.1f} ms |")
         print(f"| cable plugged back to the square ring again | {statistics.median(plugs) * 1000:.0f} ms | (none) | |")
         print(f"\nrounds: pull {' / '.join(f'{p * 1000:.0f}' for p in pulls)} ms; plug {' / '.join(f'{p * 1000:.0f}' for p in plugs)} ms")
+        if args.json:
+            raw = {"rounds": args.rounds, "pull_s": pulls, "plug_s": plugs, "watch_period_s": WATCH_PERIOD_S,
+                   "status_rtt_s": statistics.median(rtt_status)}
+            Path(args.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
     finally:
         for a in agents:
             a.stop()

@@ -14,6 +14,7 @@ Target (issue 5): back to serving <= 15 s after a node loss, for shards that loa
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import signal
 import statistics
@@ -109,6 +110,7 @@ def _worker_floor(model: Path) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="p2pmesh-bench-serving-"))
     model = make_tiny_model(root / "model", family="llama", layers=LAYERS, hidden=512, seed=1)
@@ -123,6 +125,10 @@ def main() -> int:
           f"| down_after {down:.1f} s; one worker start+load+answer {floor:.2f} s |")
     print(f"| Mac SIGKILLed to a generation answered | {answered:.2f} s | | |")
     print("\nrounds: " + " / ".join(f"{b:.2f} s ({a:.2f} s answered)" for b, a, _ in rounds))
+    if args.json:
+        raw = {"rounds": args.rounds, "back_s": [x[0] for x in rounds], "answered_s": [x[1] for x in rounds],
+               "worker_floor_s": [x[2] for x in rounds], "down_after_s": down}
+        Path(args.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

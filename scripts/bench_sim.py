@@ -113,6 +113,7 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--loss-seeds", type=int, default=20)
     p.add_argument("--out", default=None, help="write a Markdown section to this file")
+    p.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     args = p.parse_args()
 
     bare = bare_event_loop_rate()
@@ -155,6 +156,11 @@ def main() -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
+    if args.json:
+        raw = {"sweep": s, "bare_events_per_s": round(bare), "events_per_s_per_worker": round(per_worker),
+               "loss_runs": loss_runs, "loss_false_downs": loss_bad, "join_ms": joins, "down_ms": downs,
+               "join_ms_loss": joins_l, "down_ms_loss": downs_l}
+        Path(args.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
     return 0 if s["failures"] == 0 and loss_bad == 0 else 1
 
 
