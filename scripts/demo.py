@@ -35,7 +35,7 @@ from p2pmesh import local_cmd, model_cmd, terminal  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "scripts" / "demo_model"
-DEFAULT_PROMPT = "The leader plans"
+DEFAULT_PROMPT = "The Macs form a ring"
 """A paragraph start of the corpus the model learnt (scripts/demo_model/README.md): readable text."""
 AGENTS = 3
 CONTEXT_TOKENS = 512
