@@ -4,6 +4,8 @@ client reads, and a verdict the simulator gives too (needs root; docs/reliabilit
 
     sudo .venv/bin/python scripts/chaos.py --hosts 3 --minutes 0.75 --seed 1
     sudo .venv/bin/python scripts/chaos.py --schedule FILE [--history FILE] [--keep]
+    sudo .venv/bin/python scripts/chaos.py --hosts 3 --minutes 1 --seed 3 --tiny-model
+    sudo .venv/bin/python scripts/chaos.py --hosts 3 --minutes 1 --model DIR
 
 The bench: hosts+spares namespaces on one Ethernet switch, cabled in a Thunderbolt-marked
 ring (p2pmesh/netns.py). The first ``--hosts`` agents start and must form one cluster; then
@@ -14,13 +16,22 @@ a wiped state directory, a spare host joining. Meanwhile:
 - clients read the membership at random hosts through the control op ``members`` (a
   linearizable ReadIndex read) and record invoke time, completion time and the answer or
   the error (sim/history.py ``ReadOp``); a confirmed leave is an acknowledged write;
-- an observer asks every host for its committed entries (op ``log``: index, term, digest).
+- an observer asks every host for its committed entries (op ``log``: index, term, digest);
+- with ``--model DIR`` (or ``--tiny-model``, which makes a 6-layer llama of hidden size 64
+  with scripts/make_tiny_model.py), the model is loaded cluster-wide once the cluster
+  formed, a reference greedy generation (GEN_PROMPT, GEN_MAX_TOKENS, temperature 0) is
+  taken before any fault, and a generation client streams the same request every 1 to 2 s
+  at a live host (not killed, not stopped, not departed). Each one completes with the
+  reference's tokens, or fails with a clear error; other tokens are ``generation-wrong``,
+  and an answer that never came within the client's bound (or an error without a message)
+  is ``generation-unclear``. The simulator does not model generations.
 
 At the end every fault is healed (SIGCONT, cables up, dead agents restarted, departed ones
 rejoined) and the cluster must converge within CONVERGE_BOUND_S. The history is judged by
 sim/history.py and sim/linearizability.py, the same code that judges
 ``python -m sim chaos --schedule FILE`` on the same schedule. Prints the seed, the
-schedule, the history counts and the verdict; exits 1 on any violation, 2 on bad input.
+schedule, the history counts (and the generation counts) and the verdict; exits 1 on any
+violation, 2 on bad input or when the bench or the model load fails.
 Namespaces and processes are cleaned up on every exit path.
 """
 from __future__ import annotations
@@ -35,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from p2pmesh import netns  # noqa: E402
-from p2pmesh.drivers.control import ControlError, request  # noqa: E402
+from p2pmesh.drivers.control import ControlError, request, stream  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
 from sim.chaos_schedule import (  # noqa: E402
     CLIENTS,
@@ -56,7 +68,18 @@ from sim.chaos_schedule import (  # noqa: E402
     ScheduleError,
     draw,
 )
-from sim.history import Ack, EndState, History, LogSample, MemberView, ReadOp, Verdict, Violation, judge  # noqa: E402
+from sim.history import (  # noqa: E402
+    DETAILS_PER_INVARIANT_MAX,
+    Ack,
+    EndState,
+    History,
+    LogSample,
+    MemberView,
+    ReadOp,
+    Verdict,
+    Violation,
+    judge,
+)
 from tests.agent.harness import AgentProc  # noqa: E402
 from tests.agent.netns import Bench  # noqa: E402
 
@@ -67,6 +90,38 @@ LEAVE_WAIT_S = 10.0
 EXIT_WAIT_S = 10.0
 POLL_S = 0.25
 PAGES_MAX = 10_000
+LEAVE_WITH_LAYERS_WAIT_S = 75.0
+"""With a model, a leaver hands its layers off first: the agent's leave_timeout_ms (5 s) plus
+drain_timeout_ms (60 s) bound that, and a little more for the answer."""
+
+GEN_PROMPT = "The quick brown fox jumps over the lazy dog because"
+GEN_MAX_TOKENS = 8
+GEN_CONTEXT_TOKENS = 256
+GEN_EVERY_S = (1.0, 2.0)
+"""A generation starts this long (uniform) after the previous one ended."""
+GEN_IDLE_TIMEOUT_S = 15.0
+"""The generation client's bound between two events: three times the longest SIGSTOP of a
+schedule (5 s), so a frozen contact host only delays its answer; past it the request hung."""
+GEN_TOTAL_S = 30.0
+"""The generation client's bound for the whole request, checked at each event, so a request
+ends within GEN_TOTAL_S + GEN_IDLE_TIMEOUT_S (8 tokens of a tiny model take well under a
+second when nothing is wrong)."""
+MODEL_LOAD_S = 120.0
+REFERENCE_TRIES = 5
+TINY_MODEL_SEED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class GenOp:
+    """One streamed generation during chaos: the tokens it completed with, the clear error it
+    failed with, or (``unclear``) what made it neither."""
+
+    host: int
+    invoke_s: float
+    complete_s: float
+    tokens: tuple[int, ...] | None = None
+    error: str | None = None
+    unclear: str | None = None
 
 
 class ChaosAbort(Exception):
@@ -88,7 +143,7 @@ def _view(answer: dict[str, Any]) -> MemberView:
 
 
 class Chaos:
-    def __init__(self, schedule: ChaosSchedule, root: Path) -> None:
+    def __init__(self, schedule: ChaosSchedule, root: Path, model: Path | None = None) -> None:
         self.schedule = schedule
         self.root = root
         self.bench: Bench | None = None
@@ -110,6 +165,15 @@ class Chaos:
         self.converge_s: float | None = None
         self.errors: dict[str, int] = {}
         self.exits: list[str] = []
+        self.model = model
+        self.reference: tuple[int, ...] | None = None
+        """The greedy tokens of GEN_PROMPT, taken before any fault."""
+        self.generations: list[GenOp] = []
+        self.gen_errors: dict[str, int] = {}
+        self.gen_rng = random.Random(schedule.seed ^ 0x6E4E)
+        """Its own stream, so adding generations does not change which hosts reads go to."""
+        self.departed: set[int] = set()
+        """Hosts between a leave and their rejoin (their agent exited on purpose)."""
 
     def now_s(self) -> float:
         return time.monotonic() - self.t0
@@ -208,6 +272,108 @@ class Chaos:
                 op = ReadOp(host, invoke, self.now_s(), unclear=f"{type(exc).__name__}: {exc}")
             with self.lock:
                 self.history.reads.append(op)
+
+    def live_hosts(self) -> list[int]:
+        """Hosts a generation may go to: running, not SIGSTOPped, not departed, process up."""
+        with self.lock:
+            hosts = sorted(self.running - self.stopped - self.departed)
+        return [h for h in hosts if self.alive(h)]
+
+    def generate(self, host: int) -> GenOp:
+        """One streamed generation at ``host``, classified: completed, a clear error, or
+        unclear (the client's own bound passed without an answer, or a bare error)."""
+        invoke = self.now_s()
+        tokens: list[int] = []
+        deadline = time.monotonic() + GEN_TOTAL_S
+        events = stream(self.sock(host), "generate", idle_timeout_s=GEN_IDLE_TIMEOUT_S, prompt=GEN_PROMPT,
+                        max_tokens=GEN_MAX_TOKENS, temperature=0.0)
+        try:
+            for event in events:
+                got = event.get("tokens") or []
+                if not isinstance(got, list):
+                    return GenOp(host, invoke, self.now_s(), unclear=f"an event of an unknown shape: {str(event)[:200]}")
+                tokens += [int(t) for t in got]
+                if event.get("final"):
+                    return GenOp(host, invoke, self.now_s(), tokens=tuple(tokens))
+                if time.monotonic() > deadline:
+                    return GenOp(host, invoke, self.now_s(),
+                                 unclear=f"no final event within {GEN_TOTAL_S:g} s ({len(tokens)} tokens so far)")
+            return GenOp(host, invoke, self.now_s(), unclear="the stream ended without a final event")
+        except ControlError as exc:
+            # stream() turns the socket's timeout into a ControlError: that is the client
+            # giving up on an agent that said nothing, not an error the agent reported.
+            if isinstance(exc.__context__, TimeoutError):
+                return GenOp(host, invoke, self.now_s(), unclear=f"no answer within {GEN_IDLE_TIMEOUT_S:g} s: {exc}")
+            if not str(exc).strip():
+                return GenOp(host, invoke, self.now_s(), unclear="an error without a message")
+            return GenOp(host, invoke, self.now_s(), error=str(exc))
+        except Exception as exc:  # neither tokens nor a clear error
+            return GenOp(host, invoke, self.now_s(), unclear=f"{type(exc).__name__}: {exc}")
+        finally:
+            events.close()
+
+    def generation_client(self) -> None:
+        while not self.stop_clients.wait(self.gen_rng.uniform(*GEN_EVERY_S)):
+            hosts = self.live_hosts()
+            if not hosts:
+                continue
+            op = self.generate(self.gen_rng.choice(hosts))
+            with self.lock:
+                self.generations.append(op)
+                if op.error is not None:
+                    kind = re.split(r" \(|;|:", re.sub(r" at /\S+", "", op.error))[0][:80]
+                    self.gen_errors[kind] = self.gen_errors.get(kind, 0) + 1
+
+    def load_model(self) -> None:
+        """Load the model cluster-wide and take the reference generation, before any fault."""
+        import p2pmesh
+
+        assert self.model is not None
+        start = time.monotonic()
+        try:
+            loaded = p2pmesh.connect(self.agents[0].state_dir).load(self.model, context_tokens=GEN_CONTEXT_TOKENS,
+                                                                   timeout=MODEL_LOAD_S)
+        except Exception as exc:
+            raise ChaosAbort(f"loading {self.model}: {type(exc).__name__}: {exc}") from None
+        print(f"loaded {loaded.name} ({loaded.layers} layers) on {len(loaded.placement.stages)} stage(s) "
+              f"in {time.monotonic() - start:.1f} s", flush=True)
+        # The reference, from every starter: they must agree before faults make it matter.
+        # A just-activated epoch may still refuse a request, so each host gets a few tries.
+        refs: dict[int, tuple[int, ...]] = {}
+        for host in range(self.schedule.hosts):
+            op = self.generate(host)
+            for _ in range(REFERENCE_TRIES - 1):
+                if op.tokens is not None:
+                    break
+                time.sleep(1.0)
+                op = self.generate(host)
+            if op.tokens is None:
+                raise ChaosAbort(f"the reference generation at h{host} failed: {op.error or op.unclear}")
+            refs[host] = op.tokens
+        if len(set(refs.values())) != 1:
+            raise ChaosAbort(f"the hosts disagree on the reference generation before any fault: {refs}")
+        self.reference = refs[0]
+        print(f"reference generation: {len(self.reference)} tokens {list(self.reference)}", flush=True)
+
+    def gen_counts(self) -> dict[str, int]:
+        ref = self.reference
+        return {
+            "generations": len(self.generations),
+            "completed": sum(1 for g in self.generations if g.tokens is not None and g.tokens == ref),
+            "failed_clear": sum(1 for g in self.generations if g.error is not None),
+            "wrong": sum(1 for g in self.generations if g.tokens is not None and g.tokens != ref),
+            "unclear": sum(1 for g in self.generations if g.unclear is not None),
+        }
+
+    def check_generations(self) -> list[Violation]:
+        out = []
+        for g in self.generations:
+            if g.tokens is not None and g.tokens != self.reference:
+                out.append(Violation("generation-wrong", f"h{g.host} generation invoked at {g.invoke_s:.2f}s answered "
+                                     f"{list(g.tokens)}, the reference is {list(self.reference or ())}"))
+            elif g.unclear is not None:
+                out.append(Violation("generation-unclear", f"h{g.host} generation invoked at {g.invoke_s:.2f}s: {g.unclear}"))
+        return out
 
     def observer(self, host: int) -> None:
         while not self.stop_clients.wait(SAMPLE_EVERY_S):
@@ -351,6 +517,8 @@ class Chaos:
             if not self.alive(host):
                 self.skipped.append(f"{step.describe()}: h{host} is not running")
                 return
+            with self.lock:
+                self.departed.add(host)
             answer = self._leave(host)
             if answer is not None and answer.get("confirmed") and isinstance(answer.get("cluster_id"), str):
                 # An acknowledged write: from now on no read may list this incarnation.
@@ -360,12 +528,15 @@ class Chaos:
             self.wait_exit(host)
             self.sleep_until(heal_at)
             self.restart(host, wipe=True)
+            with self.lock:
+                self.departed.discard(host)
 
     def _leave(self, host: int) -> dict[str, Any] | None:
         # The agent answers once it stopped: within its leave_timeout_ms (5 s) when it holds
-        # no model layers, which is always the case here.
+        # no model layers (always without --model); with a model it hands its layers off first.
+        wait_s = LEAVE_WAIT_S if self.model is None else LEAVE_WITH_LAYERS_WAIT_S
         try:
-            return request(self.sock(host), "leave", timeout_s=LEAVE_WAIT_S)
+            return request(self.sock(host), "leave", timeout_s=wait_s)
         except ControlError as exc:
             print(f"           leave of h{host}: {exc}", flush=True)
             return None
@@ -375,6 +546,8 @@ class Chaos:
         for host in list(self.stopped):
             self._signal(host, signal.SIGCONT)
             self.stopped.discard(host)
+        with self.lock:
+            self.departed.clear()
         for cable in self.bench.cables:
             self.bench.set_link(cable, True)
         for host in list(self.lan_down):
@@ -405,9 +578,13 @@ class Chaos:
         self.formation_s = time.monotonic() - start
         self.initial_cluster = views[0]["cluster_id"]
         print(f"formed cluster {self.initial_cluster[:8]} of {s.hosts} in {self.formation_s:.1f} s", flush=True)
+        if self.model is not None:
+            self.load_model()
         self.t0 = time.monotonic()
         threads = [threading.Thread(target=self.client, args=(READ_EVERY_S * (c + 1) / CLIENTS,), daemon=True)
                    for c in range(CLIENTS)]
+        if self.model is not None:
+            threads.append(threading.Thread(target=self.generation_client, daemon=True))
         threads += [threading.Thread(target=self.observer, args=(h,), daemon=True) for h in range(s.hosts + s.spares)]
         for t in threads:
             t.start()
@@ -431,7 +608,7 @@ class Chaos:
         converged_at = time.monotonic()
         self.stop_clients.set()
         for t in threads:
-            t.join(timeout=CLIENT_TIMEOUT_S + SAMPLE_TIMEOUT_S * 4)
+            t.join(timeout=max(CLIENT_TIMEOUT_S + SAMPLE_TIMEOUT_S * 4, GEN_TOTAL_S + GEN_IDLE_TIMEOUT_S))
         if not ok:
             end = EndState(False, f"not one healthy cluster of every running host {CONVERGE_BOUND_S:g} s after healing: {why}")
             return self.judge(end), end
@@ -447,7 +624,14 @@ class Chaos:
     def judge(self, end: EndState) -> Verdict:
         verdict = judge(self.history, end)
         exits = tuple(Violation("agent-exit", e) for e in self.exits)
-        return Verdict(exits + verdict.violations)
+        # Generations are judged here, not in sim/history.py: only the real tool makes them.
+        gens: list[Violation] = []
+        per: dict[str, int] = {}
+        for v in self.check_generations():
+            per[v.invariant] = per.get(v.invariant, 0) + 1
+            if per[v.invariant] <= DETAILS_PER_INVARIANT_MAX:
+                gens.append(v)
+        return Verdict(exits + verdict.violations + tuple(gens))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -460,7 +644,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-schedule", type=Path, default=None, help="write the schedule (JSON) here")
     ap.add_argument("--history", type=Path, default=None, help="write the recorded history (JSON) here")
     ap.add_argument("--keep", action="store_true", help="keep the state directories and logs")
+    model = ap.add_mutually_exclusive_group()
+    model.add_argument("--model", type=Path, default=None,
+                       help="load this model directory cluster-wide and stream generations during the chaos")
+    model.add_argument("--tiny-model", action="store_true",
+                       help="as --model, with a tiny llama made by scripts/make_tiny_model.py")
     args = ap.parse_args(argv)
+    if args.model is not None and not args.model.is_dir():
+        print(f"scripts/chaos.py: --model {args.model}: not a directory", file=sys.stderr)
+        return 2
     why = netns.usable()
     if why is not None:
         print(f"scripts/chaos.py: {why}", file=sys.stderr)
@@ -478,7 +670,14 @@ def main(argv: list[str] | None = None) -> int:
         args.save_schedule.write_text(schedule.to_json(), encoding="utf-8")
     print(f"chaos {schedule.summary()}", flush=True)
     root = Path(tempfile.mkdtemp(prefix="p2pmesh-chaos-"))
-    chaos = Chaos(schedule, root)
+    model_dir: Path | None = None if args.model is None else args.model.resolve()
+    if args.tiny_model:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from make_tiny_model import make_tiny_model
+
+        model_dir = root / "tiny-llama"
+        make_tiny_model(model_dir, family="llama", layers=6, hidden=64, seed=TINY_MODEL_SEED)
+    chaos = Chaos(schedule, root, model_dir)
 
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -499,7 +698,14 @@ def main(argv: list[str] | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if args.history is not None:
-            args.history.write_text(chaos.history.to_json(), encoding="utf-8")
+            text = chaos.history.to_json()
+            if model_dir is not None:
+                # An extra key: History.from_json reads the rest and ignores it.
+                raw = json.loads(text)
+                raw["generations"] = [asdict(g) for g in chaos.generations]
+                raw["reference"] = None if chaos.reference is None else list(chaos.reference)
+                text = json.dumps(raw) + "\n"
+            args.history.write_text(text, encoding="utf-8")
         keep = args.keep or (verdict is not None and not verdict.ok)
         if keep:
             print(f"state directories and agent logs: {root}", flush=True)
@@ -509,6 +715,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"seed {schedule.seed}: history {json.dumps(counts)}")
     if chaos.errors:
         print(f"read errors: {json.dumps(dict(sorted(chaos.errors.items(), key=lambda kv: -kv[1])))}")
+    if model_dir is not None:
+        print(f"seed {schedule.seed}: generations {json.dumps(chaos.gen_counts())}")
+        if chaos.gen_errors:
+            print(f"generation errors: {json.dumps(dict(sorted(chaos.gen_errors.items(), key=lambda kv: -kv[1])))}")
     if chaos.skipped:
         print(f"skipped steps: {chaos.skipped}")
     for v in verdict.violations:
@@ -518,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         "verdict": list(verdict.names),
         "steps": schedule.counts(),
         "history": counts,
+        **({} if model_dir is None else {"generations": chaos.gen_counts()}),
         "formation_s": None if chaos.formation_s is None else round(chaos.formation_s, 2),
         "converge_s": None if chaos.converge_s is None else round(chaos.converge_s, 2),
         "wall_s": round(time.monotonic() - started, 1),
