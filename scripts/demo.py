@@ -41,7 +41,7 @@ AGENTS = 3
 CONTEXT_TOKENS = 512
 FORM_TIMEOUT_S = 60.0
 SERVE_TIMEOUT_S = 180.0
-KILL_AFTER_PIECES = 8
+KILL_AFTER_PIECES = 4
 """The Mac is killed once this many text pieces of the second generation have arrived."""
 
 

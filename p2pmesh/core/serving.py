@@ -96,7 +96,8 @@ class Router:
         self.submits: list[WorkerSubmit] = []
         self.client: list[ClientEvent] = []
         self.resumed = 0
-        """Requests sent again to a new epoch (for status and benchmarks)."""
+        """Times a request was sent again (to a new epoch, after the head answered it is on a
+        newer one, or after a lost frame), for status and benchmarks."""
 
     # ------------------------------------------------------------------------------
     # Facts
@@ -184,7 +185,7 @@ class Router:
                 continue
             if o.sent_to == (head, epoch) or epoch == o.stale_epoch:
                 continue
-            if o.sent_to is not None:
+            if o.attempt > 0:  # sent before: a new epoch, a stale answer or a lost frame
                 o.resumes += 1
                 self.resumed += 1
             o.sent_to = (head, epoch)

@@ -62,6 +62,22 @@ def test_an_epoch_change_resumes_with_prompt_plus_generated_tokens() -> None:
     assert client[0].tokens == (13,) and client[0].done
 
 
+def test_a_request_sent_again_after_a_stale_answer_counts_as_resumed() -> None:
+    """The head moved to a new epoch before the origin saw it and answered STALE: the origin
+    sends the request again once it catches up, and that re-send is counted like any other
+    (it used to be missed, so `requests_resumed` read 0 after a real resume)."""
+    origin = Router(A)
+    origin.requested("r1", PARAMS, 0)
+    origin.tick(None, B, 3, 0)
+    origin.take()
+    origin.on_tokens(InferTokens(B, "r1", 3, (11,), "x", False, "", (1, 2, 3), 1, 0), 1)
+    origin.on_tokens(InferTokens(B, "r1", 3, (), STALE, True, "error", (), 1, 1), 2)
+    origin.tick(None, B, 4, 3)
+    [(dst, again)] = _requests(origin)
+    assert dst == B and again.epoch == 4 and again.prompt_tokens == (1, 2, 3, 11)
+    assert origin.resumed == 1
+
+
 def test_a_resumed_request_stops_at_the_original_length() -> None:
     origin = Router(A)
     origin.requested("r1", GenerateParams("p", (), 2, 0.0, 1.0, 0), 0)
