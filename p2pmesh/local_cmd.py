@@ -122,6 +122,13 @@ def _netns_nodes(args: argparse.Namespace, root: Path, key: Path, common: list[s
     return nodes
 
 
+def formed(statuses: list[dict[str, Any] | None], count: int) -> bool:
+    """The agents' statuses (None: not answering) show one cluster of `count` members."""
+    answered = [s for s in statuses if s is not None]
+    return (len(answered) == len(statuses) == count and len({s["cluster_id"] for s in answered}) == 1
+            and all(len(s["members"]) == count for s in answered))
+
+
 def run(args: argparse.Namespace) -> int:
     from p2pmesh import netns
 
@@ -193,9 +200,7 @@ def _serve(args: argparse.Namespace, root: Path, nodes: list[Node]) -> int:
                     row = node.row(p.pid)
                     where = f" (namespace {node.netns})" if node.netns else ""
                     print(json.dumps(row) if args.json else f"agent {node.index}: pid {p.pid}, {row['socket']}, {row['http']}{where}", flush=True)
-            ready = all(s is not None for s in statuses) and len({s["cluster_id"] for s in statuses}) == 1 and all(  # type: ignore[index]
-                len(s["members"]) == args.nodes for s in statuses  # type: ignore[index]
-            )
+            ready = formed(statuses, args.nodes)
             if not ready:
                 time.sleep(POLL_S)
         if not ready:

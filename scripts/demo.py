@@ -89,12 +89,16 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[
 
 
 def formed(cluster: Cluster, count: int) -> bool:
-    try:
-        statuses = [p2pmesh.connect(cluster.socket(i)).status() for i in cluster.procs if cluster.procs[i].poll() is None]
-    except p2pmesh.AgentNotRunning:
-        return False
-    return (len(statuses) == count and all(s.healthy for s in statuses)
-            and len({s.cluster_id for s in statuses}) == 1 and all(len(s.members) == count for s in statuses))
+    """The running agents form one cluster of `count` members, each hearing a leader."""
+    from p2pmesh.drivers.control import ControlError
+
+    statuses = []
+    for i, proc in cluster.procs.items():
+        try:
+            statuses.append(_status_json(cluster, i) if proc.poll() is None else None)
+        except ControlError:
+            statuses.append(None)
+    return local_cmd.formed(statuses, count) and all(s is not None and s["healthy"] for s in statuses)
 
 
 def watch_events(socket: Path, con, stop: threading.Event) -> None:  # type: ignore[no-untyped-def]

@@ -293,14 +293,7 @@ class ChaosScenario:
             if w.cabling.between(a, b) is None:
                 w.plug(w.nodes[a], w.nodes[b])
         for i in sorted(self.running):
-            node = w.nodes[i]
-            if node.paused:
-                w.resume(node)
-            elif node.left:
-                w.wipe(node)
-                w.boot(node)
-            elif not node.alive:
-                w.boot(node)
+            w.revive(w.nodes[i])
 
     # ------------------------------------------------------------------------------
     # Clients and the log observer

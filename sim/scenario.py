@@ -269,13 +269,7 @@ class Scenario:
         w = self.world
         w.net.heal()
         for node in list(w.nodes):
-            if node.paused:
-                w.resume(node)
-            elif node.left:
-                w.wipe(node)
-                w.boot(node)
-            elif not node.alive:
-                w.boot(node)
+            w.revive(node)
         self.metrics.silent_since.clear()
 
 

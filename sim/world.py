@@ -195,6 +195,17 @@ class World:
             self._push(self.now_us, kind, node.index, payload)
         self._schedule_timer(node, force=True)
 
+    def revive(self, node: SimNode) -> None:
+        """Heal one node: resume it if paused; boot it if it crashed, or, wiped, if it left
+        (it comes back as a fresh member)."""
+        if node.paused:
+            self.resume(node)
+        elif node.left:
+            self.wipe(node)
+            self.boot(node)
+        elif not node.alive:
+            self.boot(node)
+
     # ------------------------------------------------------------------------------
     # Event queue
 

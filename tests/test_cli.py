@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import p2pmesh
-from tests.agent.harness import ROOT, AgentProc, free_port, wait_for
+from tests.agent.harness import AgentProc, ROOT, free_port, make_model, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -47,11 +47,8 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProc]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_tiny_model import make_tiny_model
-
     out = tmp_path_factory.mktemp("model") / "tiny"
-    make_tiny_model(out, family="llama", layers=4, hidden=64, seed=5)
+    make_model(out, family="llama", layers=4, hidden=64, seed=5)
     return out
 
 

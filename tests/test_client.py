@@ -36,7 +36,7 @@ from p2pmesh import (
     ModelNotLoaded,
     P2PMeshError,
 )
-from tests.agent.harness import ROOT, AgentProc, free_port, wait_for
+from tests.agent.harness import AgentProc, ROOT, free_port, make_model, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,11 +69,8 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_tiny_model import make_tiny_model
-
     out = tmp_path_factory.mktemp("model") / "tiny-llama"
-    make_tiny_model(out, family="llama", layers=6, hidden=64, seed=3)
+    make_model(out, family="llama", layers=6, hidden=64, seed=3)
     return out
 
 

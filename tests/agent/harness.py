@@ -17,6 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 WAIT_STEP_S = 0.1
 
 
+def make_model(out: Path, **options: Any) -> Path:
+    """A tiny random-weight model made by scripts/make_tiny_model.py (its options)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tiny_model import make_tiny_model
+
+    return make_tiny_model(out, **options)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

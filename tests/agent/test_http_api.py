@@ -20,7 +20,6 @@ import queue
 import random
 import shutil
 import socket
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -47,7 +46,7 @@ from p2pmesh.http_api import (
     parse_address,
     serve_http,
 )
-from tests.agent.harness import ROOT, free_port
+from tests.agent.harness import free_port, make_model
 
 TOKEN = "test-token-0123456789abcdef"
 PROMPT = "the quick brown fox"
@@ -66,11 +65,8 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['conte
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(plain, templated): the same tiny llama, without and with a chat template."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_tiny_model import make_tiny_model
-
     base = tmp_path_factory.mktemp("models")
-    plain = make_tiny_model(base / "tiny-plain", family="llama", layers=4, hidden=64, seed=3)
+    plain = make_model(base / "tiny-plain", family="llama", layers=4, hidden=64, seed=3)
     templated = base / "tiny-chat"
     shutil.copytree(plain, templated)
     cfg_path = templated / "tokenizer_config.json"

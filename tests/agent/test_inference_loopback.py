@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.agent.harness import ROOT, AgentProc, free_port, one_cluster, wait_for
+from tests.agent.harness import AgentProc, ROOT, free_port, one_cluster, make_model, wait_for
 
 FORM_TIMEOUT_S = 40
 SERVE_TIMEOUT_S = 90
@@ -32,11 +32,8 @@ PROMPT = "the quick brown fox"
 
 
 def _make(tmp_path_factory: pytest.TempPathFactory, hidden: int) -> Path:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_tiny_model import make_tiny_model
-
     out = tmp_path_factory.mktemp("model") / f"tiny-llama-{hidden}"
-    make_tiny_model(out, family="llama", layers=LAYERS, hidden=hidden, seed=3)
+    make_model(out, family="llama", layers=LAYERS, hidden=hidden, seed=3)
     return out
 
 
