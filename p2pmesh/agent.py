@@ -444,6 +444,7 @@ class Agent:
             "ring": ring,
             "placement": placement,
             "requests_resumed": m.router.resumed,
+            "requests_asked_again": m.router.asked_again,
             "state_dir": str(self.config.state_dir),
         }
 

@@ -225,6 +225,8 @@ class Status:
     ring: Ring | None
     placement: Placement | None
     requests_resumed: int = 0
+    requests_asked_again: int = 0
+    """Times this Mac, as origin, asked a silent head again (frames lost on a dying path)."""
     state_dir: Path | None = None
 
     @property
@@ -374,6 +376,7 @@ def _status(d: Any) -> Status:
             ring=_ring(d["ring"]) if d.get("ring") else None,
             placement=_placement(d["placement"]) if d.get("placement") else None,
             requests_resumed=int(d.get("requests_resumed") or 0),
+            requests_asked_again=int(d.get("requests_asked_again") or 0),
             state_dir=Path(d["state_dir"]) if d.get("state_dir") else None,
         )
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:

@@ -474,7 +474,7 @@ class Machine:
             self.router.requested(event.req, event.params, now_ms)
         elif isinstance(event, WorkerOutput):
             self.router.worker_event(
-                event.epoch, event.req, event.tokens, event.text, event.done, event.finish, event.prompt_tokens, event.attempt
+                event.epoch, event.req, event.tokens, event.text, event.done, event.finish, event.prompt_tokens, event.attempt, now_ms
             )
         elif isinstance(event, WorkerCrashed):
             self.crashed = {e for e in self.crashed if e >= event.epoch - 2} | {event.epoch}

@@ -11,8 +11,17 @@ Two roles, often on the same node:
   counted twice.
 - the *head* runs requests on its local worker and streams tokens back to their origin.
 
+Frames can be lost (the transport drops what it could not deliver when a path dies, and does
+not send it again), so both ends keep talking: the head sends a *beacon* (an empty frame that
+carries the stream's sequence number) for every request it holds at least every ``BEACON_MS``,
+and an origin that hears nothing about a request it sent for ``SILENT_MS`` asks again with the
+same attempt. The head ignores a copy of an attempt it already runs (a long prefill is never
+restarted) and answers with a beacon; a beacon whose sequence number is ahead of what the
+origin received shows a lost token frame, and the request is sent again as a new attempt.
+
 Bounded: at most ``REQUESTS_MAX`` requests per origin and per head; a request that makes no
-progress for ``STALL_MS`` fails with an error, so a client never waits forever.
+progress for ``STALL_MS`` fails with an error, so a client never waits forever (asking again
+after silence is not progress).
 """
 from __future__ import annotations
 
@@ -23,6 +32,9 @@ from p2pmesh.core.messages import ClusterState, InferRequest, InferTokens, Messa
 
 REQUESTS_MAX = 256
 STALL_MS = 120_000
+BEACON_MS = 1_000
+SILENT_MS = 3 * BEACON_MS
+"""Three beacon periods: one lost beacon never makes an origin ask again."""
 STALE = "stale epoch"
 
 
@@ -76,6 +88,10 @@ class _Origin:
     stale_epoch: int = -1
     """An epoch a head told us is over: do not send there again before our state moves."""
     resumes: int = 0
+    heard_ms: int = 0
+    """When the head last said anything of the current attempt (or when we last asked)."""
+    last_request: InferRequest | None = None
+    """The current attempt, to ask again after silence."""
 
 
 @dataclass(slots=True)
@@ -85,6 +101,8 @@ class _Served:
     request: InferRequest
     submitted: bool = False
     sent: int = 0
+    told_ms: int | None = None
+    """When the origin was last sent a frame of this request; None: beacon at the next tick."""
 
 
 class Router:
@@ -98,6 +116,8 @@ class Router:
         self.resumed = 0
         """Times a request was sent again (to a new epoch, after the head answered it is on a
         newer one, or after a lost frame), for status and benchmarks."""
+        self.asked_again = 0
+        """Times an origin asked again with the same attempt after hearing nothing."""
 
     # ------------------------------------------------------------------------------
     # Facts
@@ -120,6 +140,9 @@ class Router:
         old = self.served.get(msg.req)
         if old is not None and old.request.attempt > msg.attempt:
             return  # a late copy of an attempt the origin already replaced
+        if old is not None and old.request == msg:
+            old.told_ms = None  # the origin asks again after silence: tell it we run it
+            return
         self.served[msg.req] = _Served(src, msg.epoch, msg)
 
     def on_tokens(self, msg: InferTokens, now_ms: int) -> None:
@@ -129,6 +152,11 @@ class Router:
             return  # a request we gave up, or a late reply from an epoch we moved away from
         if msg.attempt != o.attempt:
             return  # a reply to an attempt we replaced
+        o.heard_ms = now_ms
+        if not msg.tokens and not msg.done and not msg.text:
+            if msg.seq != o.received:
+                o.sent_to = None  # a beacon ahead of our stream: a token frame was lost
+            return
         if msg.done and msg.finish == "error" and msg.text == STALE:
             o.sent_to = None  # the head moved on before us: send again once we catch up
             o.stale_epoch = msg.epoch
@@ -159,13 +187,14 @@ class Router:
             del self.origins[msg.req]
 
     def worker_event(self, epoch: int, req: str, tokens: tuple[int, ...], text: str, done: bool, finish: str,
-                     prompt_tokens: tuple[int, ...], attempt: int = 0) -> None:
+                     prompt_tokens: tuple[int, ...], attempt: int, now_ms: int) -> None:
         """The local head worker produced tokens (or finished) for a request."""
         s = self.served.get(req)
         if s is None or s.epoch != epoch or s.request.attempt != attempt:
             return
         reply = InferTokens(self.me, req, epoch, tokens, text, done, finish, prompt_tokens, attempt, s.sent)
         s.sent += len(tokens)
+        s.told_ms = now_ms
         self.messages.append((s.origin, reply))
         if done:
             del self.served[req]
@@ -174,7 +203,7 @@ class Router:
     # After every change of state or time
 
     def tick(self, state: ClusterState | None, head: NodeId | None, epoch: int, now_ms: int) -> None:
-        self._serve(head, epoch)
+        self._serve(head, epoch, now_ms)
         for req, o in list(self.origins.items()):
             if now_ms - o.progress_ms >= STALL_MS:
                 del self.origins[req]
@@ -183,14 +212,21 @@ class Router:
                 continue
             if head is None:
                 continue
-            if o.sent_to == (head, epoch) or epoch == o.stale_epoch:
+            if o.sent_to == (head, epoch):
+                if o.last_request is not None and now_ms - o.heard_ms >= SILENT_MS:
+                    o.heard_ms = now_ms  # not progress: STALL_MS still bounds a head we never hear
+                    self.asked_again += 1
+                    self.messages.append((head, o.last_request))
+                continue
+            if epoch == o.stale_epoch:
                 continue
             if o.attempt > 0:  # sent before: a new epoch, a stale answer or a lost frame
                 o.resumes += 1
                 self.resumed += 1
             o.sent_to = (head, epoch)
-            o.progress_ms = now_ms
-            self.messages.append((head, self._request(req, o, epoch)))
+            o.progress_ms = o.heard_ms = now_ms
+            o.last_request = self._request(req, o, epoch)
+            self.messages.append((head, o.last_request))
 
     def _request(self, req: str, o: _Origin, epoch: int) -> InferRequest:
         p = o.params
@@ -205,18 +241,23 @@ class Router:
         return InferRequest(self.me, req, epoch, p.prompt, p.prompt_tokens, p.max_tokens, p.temperature, p.top_p, p.seed,
                             o.attempt)
 
-    def _serve(self, head: NodeId | None, epoch: int) -> None:
+    def _serve(self, head: NodeId | None, epoch: int, now_ms: int) -> None:
         for req, s in list(self.served.items()):
             if s.epoch < epoch or head != self.me and s.epoch == epoch:
                 # The request's epoch is over here; its origin re-sends it to the new head.
                 self.messages.append((s.origin, InferTokens(self.me, req, s.epoch, (), STALE, True, "error", (), s.request.attempt, s.sent)))
                 del self.served[req]
-            elif s.epoch == epoch and not s.submitted:
+                continue
+            if s.epoch == epoch and not s.submitted:
                 r = s.request
                 s.submitted = True
                 params = GenerateParams(r.prompt, r.prompt_tokens, r.max_tokens, r.temperature, r.top_p, r.seed)
                 self.submits.append(WorkerSubmit(epoch, req, params, r.attempt))
             # s.epoch > epoch: the origin saw a newer epoch than we have applied; wait.
+            if s.told_ms is None or now_ms - s.told_ms >= BEACON_MS:
+                s.told_ms = now_ms
+                beacon = InferTokens(self.me, req, s.epoch, (), "", False, "", (), s.request.attempt, s.sent)
+                self.messages.append((s.origin, beacon))
 
     def take(self) -> tuple[list[tuple[NodeId, Message]], list[WorkerSubmit], list[ClientEvent]]:
         out = (self.messages, self.submits, self.client)

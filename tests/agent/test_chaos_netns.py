@@ -28,7 +28,7 @@ def test_a_short_real_chaos_run_passes_and_the_simulator_agrees(tmp_path: Path) 
     schedule_file, history_file = tmp_path / "schedule.json", tmp_path / "history.json"
     out = subprocess.run(
         [sys.executable, "scripts/chaos.py", "--hosts", "3", "--minutes", "0.75", "--seed", str(SEED),
-         "--save-schedule", str(schedule_file), "--history", str(history_file)],
+         "--tiny-model", "--save-schedule", str(schedule_file), "--history", str(history_file)],
         cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
@@ -40,6 +40,9 @@ def test_a_short_real_chaos_run_passes_and_the_simulator_agrees(tmp_path: Path) 
     counts = history.counts()
     assert counts["reads_ok"] > 100 and counts["reads_unclear"] == 0 and counts["acks"] >= 1
     assert counts["entries_seen"] > 10 and real["converge_s"] is not None
+    generations = real["generations"]
+    assert generations["wrong"] == 0 and generations["unclear"] == 0
+    assert generations["completed"] >= 10 and generations["completed"] + generations["failed_clear"] == generations["generations"]
 
     # Parity: the simulator plays the saved schedule and gives the same verdict.
     schedule = ChaosSchedule.from_json(schedule_file.read_text())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import InferRequest, InferTokens
-from p2pmesh.core.serving import REQUESTS_MAX, STALE, STALL_MS, GenerateParams, Router
+from p2pmesh.core.serving import BEACON_MS, REQUESTS_MAX, SILENT_MS, STALE, STALL_MS, GenerateParams, Router
 
 A, B, C = NodeId("a" * 32), NodeId("b" * 32), NodeId("c" * 32)
 PARAMS = GenerateParams("hello", (), 6, 0.0, 1.0, 0)
@@ -27,8 +27,8 @@ def test_origin_sends_to_the_head_and_streams_tokens_to_its_client() -> None:
     head.tick(None, B, 3, 1)
     _, submits, _ = head.take()
     assert [s.req for s in submits] == ["r1"] and submits[0].params.prompt == "hello"
-    head.worker_event(3, "r1", (11,), "x", False, "", (1, 2, 3), 1)
-    head.worker_event(3, "r1", (12,), "y", True, "stop", (), 1)
+    head.worker_event(3, "r1", (11,), "x", False, "", (1, 2, 3), 1, 1)
+    head.worker_event(3, "r1", (12,), "y", True, "stop", (), 1, 1)
     messages, _, _ = head.take()
     assert [dst for dst, _ in messages] == [A, A]
     for _, m in messages:
@@ -172,5 +172,82 @@ def test_a_head_keeps_only_the_newest_attempt() -> None:
     head.tick(None, B, 3, 0)
     [submit] = head.take()[1]
     assert submit.attempt == 2
-    head.worker_event(3, "r1", (5,), "", False, "", (), 1)  # output of the old attempt
+    head.worker_event(3, "r1", (5,), "", False, "", (), 1, 1)  # output of the old attempt
     assert head.take()[0] == []
+
+
+def _beacons(router: Router) -> list[InferTokens]:
+    messages, _, _ = router.take()
+    return [m for _, m in messages if isinstance(m, InferTokens) and not m.tokens and not m.done]
+
+
+def test_a_request_lost_on_the_way_is_asked_again_after_silence_with_the_same_attempt() -> None:
+    """The transport drops what it could not deliver when a path dies (chaos found a request
+    that waited the whole stall bound for it): an origin that hears nothing asks again."""
+    origin = Router(A)
+    origin.requested("r1", PARAMS, 0)
+    origin.tick(None, B, 3, 0)
+    [(_, first)] = _requests(origin)
+    origin.tick(None, B, 3, SILENT_MS - 1)
+    assert _requests(origin) == []
+    origin.tick(None, B, 3, SILENT_MS)
+    [(dst, again)] = _requests(origin)
+    assert dst == B and again == first and origin.asked_again == 1 and origin.resumed == 0
+    # Asking again is not progress: a head never heard from still ends in a clear error.
+    t = SILENT_MS
+    while t < STALL_MS:
+        t += SILENT_MS
+        origin.tick(None, B, 3, t)
+    [event] = origin.take()[2]
+    assert event.done and event.finish == "error" and "no progress" in event.text
+    assert origin.asked_again == STALL_MS // SILENT_MS - 1
+
+
+def test_a_head_beacons_while_it_runs_a_request_so_a_long_prefill_is_never_asked_again() -> None:
+    origin, head = Router(A), Router(B)
+    origin.requested("r1", PARAMS, 0)
+    origin.tick(None, B, 3, 0)
+    [(_, req)] = _requests(origin)
+    head.on_request(A, req, None)
+    head.tick(None, B, 3, 0)
+    [ack] = _beacons(head)  # the first tick acknowledges the request
+    assert ack.seq == 0 and ack.attempt == req.attempt
+    for t in range(BEACON_MS // 2, 4 * SILENT_MS, BEACON_MS // 2):  # a prefill that takes 12 s
+        head.tick(None, B, 3, t)
+        for beacon in _beacons(head):
+            origin.on_tokens(beacon, t)
+        origin.tick(None, B, 3, t)
+        assert _requests(origin) == [] and origin.take()[2] == []  # no re-send, no empty client event
+    # The head's worker was given the request once.
+    head.worker_event(3, "r1", (11,), "x", True, "stop", (1,), req.attempt, 4 * SILENT_MS)
+    for _, m in head.take()[0]:
+        origin.on_tokens(m, 4 * SILENT_MS)  # type: ignore[arg-type]
+    [event] = origin.take()[2]
+    assert event.done and event.tokens == (11,)
+
+
+def test_a_head_runs_a_copy_of_the_same_attempt_once_and_answers_it_with_a_beacon() -> None:
+    head = Router(B)
+    req = InferRequest(A, "r1", 3, "p", (), 4, 0.0, 1.0, 0, 1)
+    head.on_request(A, req, None)
+    head.tick(None, B, 3, 0)
+    head.worker_event(3, "r1", (5,), "", False, "", (9,), 1, 10)
+    _, submits, _ = head.take()
+    assert len(submits) == 1
+    head.on_request(A, req, None)  # the origin heard nothing (our frames were lost) and asks again
+    head.tick(None, B, 3, 20)
+    messages, submits, _ = head.take()
+    assert submits == [] and [(m.seq, m.tokens) for _, m in messages] == [(1, ())]  # type: ignore[union-attr]
+
+
+def test_a_beacon_ahead_of_the_stream_shows_a_lost_token_and_resumes_from_what_arrived() -> None:
+    origin = Router(A)
+    origin.requested("r1", PARAMS, 0)
+    origin.tick(None, B, 3, 0)
+    origin.take()
+    origin.on_tokens(InferTokens(B, "r1", 3, (11,), "x", False, "", (1, 2), 1, 0), 1)
+    origin.on_tokens(InferTokens(B, "r1", 3, (), "", False, "", (), 1, 2), 2)  # the head sent 2; we have 1
+    assert [e.tokens for e in origin.take()[2]] == [(11,)]
+    origin.tick(None, B, 3, 3)
+    [(dst, again)] = _requests(origin)
+    assert again.attempt == 2 and again.prompt_tokens == (1, 2, 11) and origin.resumed == 1
