@@ -107,6 +107,17 @@ def describe(name: str, path: Path, context_tokens: int) -> ModelInfo:
     )
 
 
+def memory_for_share(info: ModelInfo, parts: int) -> int:
+    """Memory for about one ``parts``-th of the model: that share of its layers (rounded up)
+    with their KV cache for ``info.context_tokens``, the embeddings and head, and half a layer
+    of slack. Given to every agent as ``--memory-limit``, it takes ``parts`` Macs to hold the
+    model (the demo's two of three; chaos's ``--split``)."""
+    if parts < 1:
+        raise ValueError(f"parts must be at least 1, not {parts}")
+    per_layer = info.layer_bytes + info.kv_bytes_per_token_per_layer * info.context_tokens
+    return -(-info.layers // parts) * per_layer + 2 * info.embed_bytes + per_layer // 2
+
+
 async def measure_loop(agent: Agent) -> None:
     """Whenever the cluster's model changes, measure it here (a short worker run) and
     publish the result; the leader plans with every member's measurement."""

@@ -6,6 +6,7 @@ client reads, and a verdict the simulator gives too (needs root; docs/reliabilit
     sudo .venv/bin/python scripts/chaos.py --schedule FILE [--history FILE] [--keep]
     sudo .venv/bin/python scripts/chaos.py --hosts 3 --minutes 1 --seed 3 --tiny-model
     sudo .venv/bin/python scripts/chaos.py --hosts 3 --minutes 1 --model DIR
+    sudo .venv/bin/python scripts/chaos.py --hosts 3 --minutes 1 --seed 3 --tiny-model --split 2
 
 The bench: hosts+spares namespaces on one Ethernet switch, cabled in a Thunderbolt-marked
 ring (p2pmesh/netns.py). The first ``--hosts`` agents start and must form one cluster; then
@@ -24,7 +25,9 @@ a wiped state directory, a spare host joining. Meanwhile:
   at a live host (not killed, not stopped, not departed). Each one completes with the
   reference's tokens, or fails with a clear error; other tokens are ``generation-wrong``,
   and an answer that never came within the client's bound (or an error without a message)
-  is ``generation-unclear``. The simulator does not model generations.
+  is ``generation-unclear``. The simulator does not model generations. ``--split N``
+  gives every agent memory for 1/N of the model, so it is placed on N stages and faults
+  cut the pipeline between Macs.
 
 At the end every fault is healed (SIGCONT, cables up, dead agents restarted, departed ones
 rejoined) and the cluster must converge within CONVERGE_BOUND_S. The history is judged by
@@ -143,7 +146,7 @@ def _view(answer: dict[str, Any]) -> MemberView:
 
 
 class Chaos:
-    def __init__(self, schedule: ChaosSchedule, root: Path, model: Path | None = None) -> None:
+    def __init__(self, schedule: ChaosSchedule, root: Path, model: Path | None = None, split: int = 1) -> None:
         self.schedule = schedule
         self.root = root
         self.bench: Bench | None = None
@@ -166,6 +169,8 @@ class Chaos:
         self.errors: dict[str, int] = {}
         self.exits: list[str] = []
         self.model = model
+        self.split = split
+        """With a model, each agent offers memory for 1/split of it (``--memory-limit``)."""
         self.reference: tuple[int, ...] | None = None
         """The greedy tokens of GEN_PROMPT, taken before any fault."""
         self.generations: list[GenOp] = []
@@ -193,6 +198,12 @@ class Chaos:
         key = self.root / "cluster.key"
         write_key(key, random.Random(s.seed).randbytes(32))
         self.agents = bench.agents(self.root, key, tag="h")
+        if self.model is not None and self.split > 1:
+            from p2pmesh.models import describe, memory_for_share
+
+            limit = memory_for_share(describe(str(self.model), self.model, GEN_CONTEXT_TOKENS), self.split)
+            for agent in self.agents:
+                agent.extra = [*agent.extra, "--memory-limit", str(limit)]
 
     def sock(self, host: int) -> Path:
         return self.agents[host].state_dir / "agent.sock"
@@ -649,7 +660,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="load this model directory cluster-wide and stream generations during the chaos")
     model.add_argument("--tiny-model", action="store_true",
                        help="as --model, with a tiny llama made by scripts/make_tiny_model.py")
+    ap.add_argument("--split", type=int, default=1, metavar="N",
+                    help="with a model, give each agent memory for 1/N of it, so the model needs N stages "
+                         "(a fault then cuts the pipeline between Macs, not only its one holder)")
     args = ap.parse_args(argv)
+    if args.split < 1 or args.split > args.hosts:
+        print(f"scripts/chaos.py: --split {args.split}: between 1 and --hosts ({args.hosts})", file=sys.stderr)
+        return 2
     if args.model is not None and not args.model.is_dir():
         print(f"scripts/chaos.py: --model {args.model}: not a directory", file=sys.stderr)
         return 2
@@ -677,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model_dir = root / "tiny-llama"
         make_tiny_model(model_dir, family="llama", layers=6, hidden=64, seed=TINY_MODEL_SEED)
-    chaos = Chaos(schedule, root, model_dir)
+    chaos = Chaos(schedule, root, model_dir, args.split)
 
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")

@@ -15,7 +15,6 @@ temporary directory, deleted at the end (--keep leaves it, with the agents' logs
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import signal
@@ -70,13 +69,10 @@ class Cluster:
 
 
 def memory_limit(model: Path) -> int:
-    """Room for half the layers (rounded up) with their KV cache, plus embeddings and head:
-    two agents hold the model, one cannot."""
-    from p2pmesh.models import describe
+    """Room for half the layers: two agents hold the model, one cannot."""
+    from p2pmesh.models import describe, memory_for_share
 
-    info = describe(str(model), model, CONTEXT_TOKENS)
-    per_layer = info.layer_bytes + info.kv_bytes_per_token_per_layer * CONTEXT_TOKENS
-    return math.ceil(info.layers / 2) * per_layer + 2 * info.embed_bytes + per_layer // 2
+    return memory_for_share(describe(str(model), model, CONTEXT_TOKENS), 2)
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]

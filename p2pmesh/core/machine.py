@@ -52,6 +52,7 @@ from p2pmesh.core.messages import (
     MarkDown,
     Measure,
     MarkUp,
+    ModelInfo,
     MESSAGE_TYPES,
     Message,
     Peer,
@@ -61,6 +62,7 @@ from p2pmesh.core.messages import (
     PublishPorts,
     RemovalNotice,
     RemoveMember,
+    SetModel,
     Snapshot,
     WorkerFailed,
     WorkerReady,
@@ -648,13 +650,16 @@ class Machine:
                 self._join(mates[0], now_ms)
                 return
         if unhealthy_long and r.config.voters != (self.me,):
-            self._bootstrap(now_ms, reason="standalone")
+            # The user's choice of model outlives the cluster it was made in: a Mac left
+            # alone (the other of two died) keeps serving it, and the merge keeps it after.
+            self._bootstrap(now_ms, reason="standalone", model=r.state.model)
 
     def _lowest_unformed(self, now_ms: int) -> bool:
         return all(h.src > self.node_id for h in self._fresh_hellos(now_ms) if h.cluster is None)
 
-    def _bootstrap(self, now_ms: int, *, reason: str) -> None:
-        """Found a new one-member cluster (a first formation, or continuing standalone)."""
+    def _bootstrap(self, now_ms: int, *, reason: str, model: ModelInfo | None = None) -> None:
+        """Found a new one-member cluster (a first formation, or continuing standalone with
+        the old cluster's model: nothing else carries over, placement is planned afresh)."""
         cluster = ClusterId(f"{self.rng.getrandbits(64):016x}")
         self._reset_identity()
         me = self.me
@@ -663,9 +668,11 @@ class Machine:
             Entry(1, 1, AddLearner(self.node_id, self.inc, self.addresses, self.caps)),
             Entry(2, 1, Promote(self.node_id, self.inc)),
         ]
+        if model is not None:
+            entries.append(Entry(3, 1, SetModel(model)))
         log = RaftLog(base, entries)
         self.raft = self._new_raft(cluster, HardState(1, me), log, now_ms)
-        self.raft.commit = 2
+        self.raft.commit = len(entries)
         self.raft._apply_committed()
         self.mode = Mode.MEMBER
         self.joining = None

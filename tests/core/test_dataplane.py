@@ -4,7 +4,15 @@ once every stage is ready, requests routed to the head, and a new epoch when a s
 Mac goes down (core/dataplane.py, core/serving.py inside the node machine)."""
 from __future__ import annotations
 
-from p2pmesh.core.machine import GenerateRequested, Machine, ModelMeasured, ProposalRequested, WorkerLoaded, WorkerOutput
+from p2pmesh.core.machine import (
+    GenerateRequested,
+    Machine,
+    ModelMeasured,
+    PeerDiscovered,
+    ProposalRequested,
+    WorkerLoaded,
+    WorkerOutput,
+)
 from p2pmesh.core.messages import Measure, ModelInfo, SetModel
 from p2pmesh.core.serving import GenerateParams
 from tests.core.test_machine import Driver, formed, leader_of
@@ -148,3 +156,29 @@ def test_a_mac_leaving_gracefully_drains_first_make_before_break() -> None:
         d.handle(s.node_id, WorkerLoaded(pending.placement_epoch))
     assert d.run_until(lambda: all(m.node_id != leaving for m in _state(leader_of(d)).members), 10_000)
     assert _state(leader_of(d)).active_epoch == pending.placement_epoch
+
+
+def test_of_two_macs_the_survivor_keeps_the_model_and_the_merge_keeps_it_too() -> None:
+    """Two Macs are the smallest cluster and the commonest: when one dies the other has no
+    quorum and continues as a standalone cluster. It used to start that cluster empty, so
+    the model had to be set again; the standalone cluster now carries the model over, serves
+    it if it fits, and the restarted Mac merges into it with the model still set."""
+    d, ids = formed(2)
+    enough = 2 * 500 + LAYERS * (1000 + 10 * 100)  # one Mac holds the whole model (embeddings and head)
+    _serve(d, ids, memory=enough)
+    dead = ids[0]
+    survivor = d.machines[ids[1]]
+    old_cluster = survivor.cluster
+    d.crash(dead)
+    assert d.run_until(lambda: survivor.cluster != old_cluster and survivor.status().role == "standalone", 20_000)
+    assert _state(survivor).model == MODEL
+    d.handle(survivor.node_id, ModelMeasured(Measure("tiny", enough, 0.5)))  # the agent measures again
+    assert d.run_until(lambda: _state(survivor).placement_epoch > 0, 5_000)
+    assert [s.node_id for s in _state(survivor).placement] == [survivor.node_id]
+
+    d.boot(dead, 1)
+    d.handle(dead, PeerDiscovered(survivor.node_id, ("10.0.0.2",)))
+    d.handle(survivor.node_id, PeerDiscovered(dead, ("10.0.0.1",)))
+    assert d.run_until(d.converged, 20_000), "the restarted Mac did not merge back"
+    assert {m.cluster for m in d.machines.values()} == {survivor.cluster}
+    assert all(_state(m).model == MODEL for m in d.machines.values())
