@@ -691,16 +691,15 @@ def _model_directory(name: str, model_root: Path | None) -> Path:
         return models.resolve(local, allow_download=False)
     except models.ModelError:
         pass
-    if "/" not in name or name.startswith(("/", ".")):
+    from p2pmesh import model_files
+
+    if not model_files.is_hub_id(name):
         raise P2PMeshError(f"chat needs the tokenizer of {name}, and there is no such directory on this machine; "
                            "run the client where the model's directory is, or render the prompt and call generate()")
     try:  # a Hugging Face id: fetch only the tokenizer and config files, never the weights
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=name, allow_patterns=["*.json", "*.jinja", "tokenizer*", "*.model", "*.txt"]))
-    except Exception as exc:  # noqa: BLE001 - offline, unknown id, no permission: all reported the same way
-        raise P2PMeshError(f"chat needs the tokenizer of {name} and cannot fetch it from Hugging Face ({exc}); "
-                           "render the prompt yourself and call generate()") from None
+        return model_files.fetch_metadata(name)
+    except model_files.ModelFilesError as exc:
+        raise P2PMeshError(f"chat needs the tokenizer of {name}: {exc}; render the prompt yourself and call generate()") from None
 
 
 def _tokenizer(directory: Path) -> Any:

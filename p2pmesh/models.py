@@ -3,8 +3,10 @@ and measure it on this Mac through a worker process.
 
 A model is named by a local directory in the Hugging Face layout or by a Hugging Face id,
 which each Mac resolves on its own (huggingface_hub's cache; nothing is fetched when the
-name is a directory). The description (layers, bytes per layer, KV bytes per token, ...)
-comes from config.json and the safetensors headers only, read without loading any weight.
+name is a directory, and only metadata when it is an id: model_files.py). The description
+(layers, bytes per layer, KV bytes per token, ...) comes from config.json and the
+safetensors headers only, read without loading any weight (the hub's headers when the
+weight files are not here).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from p2pmesh import model_files
 from p2pmesh.core.errors import MeshError
 from p2pmesh.core.machine import ModelMeasured
 from p2pmesh.core.messages import Measure, ModelInfo
@@ -35,39 +38,17 @@ class ModelError(MeshError):
 
 def resolve(name: str, *, allow_download: bool = True) -> Path:
     """The local directory of a model: the name itself when it is a directory, else the
-    Hugging Face snapshot of that id (downloaded when this Mac has not got it yet)."""
+    Hugging Face snapshot of that id with its metadata only (config, index, tokenizer; no
+    weights: a Mac fetches only the weight files its stage holds, model_files.py)."""
     path = Path(name).expanduser()
     if path.is_dir():
         return path
-    if not allow_download or "/" not in name or name.startswith(("/", ".")):
+    if not allow_download or not model_files.is_hub_id(name):
         raise ModelError(f"no model directory at {name!r} (and it is not a Hugging Face id such as org/name)")
     try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
-    except Exception as exc:  # offline, unknown id, no permission: all the user's to fix
-        raise ModelError(f"cannot fetch the model {name!r} from Hugging Face: {exc}") from None
-
-
-def tensor_bytes(path: Path) -> dict[str, int]:
-    """Tensor name -> bytes, from the headers of every safetensors file (no weights read)."""
-    from p2pmesh.core.model_spec import MAX_HEADER_BYTES, ModelSpecError, parse_safetensors_header
-
-    out: dict[str, int] = {}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"{path} holds no .safetensors file")
-    for f in files:
-        with f.open("rb") as fh:
-            prefix = fh.read(8)
-            size = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
-            prefix += fh.read(min(size, MAX_HEADER_BYTES))
-        try:
-            _, entries = parse_safetensors_header(prefix)
-        except ModelSpecError as exc:
-            raise ModelError(f"{f}: {exc}") from None
-        out.update((e.name, e.nbytes) for e in entries)
-    return out
+        return model_files.fetch_metadata(name)
+    except model_files.ModelFilesError as exc:
+        raise ModelError(str(exc)) from None
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -92,8 +73,10 @@ def describe(name: str, path: Path, context_tokens: int) -> ModelInfo:
     from p2pmesh.core.model_spec import ModelSpecError, model_spec
 
     try:
-        n = model_spec(read_config(path), tensor_bytes(path))
+        n = model_spec(read_config(path), model_files.tensor_bytes(name, path))
     except ModelSpecError as exc:
+        raise ModelError(f"{name}: {exc}") from None
+    except model_files.ModelFilesError as exc:
         raise ModelError(f"{name}: {exc}") from None
     return ModelInfo(
         name=name,

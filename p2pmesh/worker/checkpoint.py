@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 
 from p2pmesh.core.model_spec import ModelSpecError, TensorEntry, parse_safetensors_header
+from p2pmesh.model_files import ModelFilesError, weight_map
 
-INDEX_FILE = "model.safetensors.index.json"
 HEADER_PEEK_BYTES = 1 << 20
 """Read this much first; a larger header is read in a second call."""
 
@@ -72,28 +72,16 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files, from the index when there is one (only the files it names,
     so a partial download of a stage's files is enough), else every model*.safetensors."""
-    index = model_dir / INDEX_FILE
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is malformed: {e}") from None
-        return sorted({model_dir / f for f in weight_map.values()})
+    try:
+        wm = weight_map(model_dir)
+    except ModelFilesError as e:
+        raise CheckpointError(str(e)) from None
+    if wm is not None:
+        return sorted({model_dir / f for f in wm.values()})
     files = sorted(model_dir.glob("model*.safetensors"))
     if not files:
         raise CheckpointError(f"no model*.safetensors in {model_dir}")
     return files
-
-
-def index_map(model_dir: Path) -> dict[str, str] | None:
-    """tensor name -> file name from model.safetensors.index.json, or None without one."""
-    index = model_dir / INDEX_FILE
-    if not index.exists():
-        return None
-    try:
-        return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index} is malformed: {e}") from None
 
 
 def read_header(path: Path) -> tuple[int, list[TensorEntry]]:

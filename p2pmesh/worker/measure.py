@@ -9,7 +9,8 @@ Prints one JSON object for the planner:
   activation_bytes, total_bytes  from config.json and the safetensors headers
                                  (core/model_spec.py, the same arithmetic the planner runs)
 Only one layer is loaded for the timing (a middle one when there are three or more, so
-no embeddings or head are read).
+no embeddings or head are read), and for a Hugging Face id only the file(s) holding it are
+downloaded.
 """
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ dominated by the layer's weights rather than by attention over the cache."""
 WARMUP, STEPS = 3, 20
 
 
-def model_sizes(path: Path) -> dict[str, Any]:
-    """The model_spec numbers from config.json and the safetensors headers (no weights read)."""
+def model_sizes(name: str, path: Path) -> dict[str, Any]:
+    """The model_spec numbers from config.json and the safetensors headers (no weights read;
+    the hub's headers for the files this Mac has not fetched)."""
     from p2pmesh.core.model_spec import model_spec
-    from p2pmesh.worker.checkpoint import locate, read_config
+    from p2pmesh.model_files import tensor_bytes
+    from p2pmesh.worker.checkpoint import read_config
 
-    spec = model_spec(read_config(path), {name: loc.entry.nbytes for name, loc in locate(path).items()})
+    spec = model_spec(read_config(path), tensor_bytes(name, path))
     return {
         "layers": spec.layers,
         "layer_bytes": spec.layer_bytes,
@@ -66,9 +69,10 @@ def layer_decode_ms(path: Path, layers: int, context: int = CONTEXT) -> float:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    from p2pmesh.model_files import measured_layer
     from p2pmesh.worker.model import load_shard
 
-    index = 1 if layers >= 3 else 0
+    index = measured_layer(layers)
     shard = load_shard(path, index, index + 1)
     layer = shard.model.model.layers[0]
     dtype = next(v.dtype for _, v in tree_flatten(layer.parameters()) if mx.issubdtype(v.dtype, mx.floating))
@@ -91,15 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="a local model directory or a Hugging Face id")
     parser.add_argument("--context", type=int, default=CONTEXT)
     args = parser.parse_args(argv)
-    from p2pmesh.worker.checkpoint import CheckpointError
+    from p2pmesh.model_files import ModelFilesError, measured_layer, num_layers
+    from p2pmesh.worker.checkpoint import CheckpointError, read_config
     from p2pmesh.worker.model import ModelError, resolve_model
 
     try:
-        path = resolve_model(args.model)
-        sizes = model_sizes(path)
+        # A hub model: the metadata, then only the weight file(s) of the layer timed.
+        index = measured_layer(num_layers(read_config(resolve_model(args.model, metadata_only=True))))
+        path = resolve_model(args.model, layers=(index, index + 1))
+        sizes = model_sizes(args.model, path)
         result = {"layer_ms": round(layer_decode_ms(path, sizes["layers"], args.context), 4),
                   "memory_bytes": usable_memory_bytes(), **sizes}
-    except (ModelError, CheckpointError, ValueError) as e:
+    except (ModelError, CheckpointError, ModelFilesError, ValueError) as e:
         print(f"measure: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, sort_keys=True))

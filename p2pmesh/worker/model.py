@@ -25,14 +25,13 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.utils import MODEL_REMAPPING, _get_classes, infer_quant_config
 
+from p2pmesh import model_files
 from p2pmesh.core.model_spec import LAYER_RE, stage_tensors
-from p2pmesh.worker.checkpoint import CheckpointError, index_map, locate, read_config, read_tensors
+from p2pmesh.worker.checkpoint import CheckpointError, locate, read_config, read_tensors
 
 SUPPORTED_FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
 """model_type values (after mlx-lm's remapping, so "mistral" counts as llama) whose
 layer-range pipeline is tested here."""
-METADATA_PATTERNS = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja"]
-"""What a stage downloads besides its weight files (mlx-lm's own list)."""
 
 
 class ModelError(Exception):
@@ -56,44 +55,42 @@ class BadStage(ModelError):
     """The layer range does not fit the model: the caller's (planner's) fault."""
 
 
-def resolve_model(name_or_path: str | Path, *, layers: tuple[int, int] | None = None, revision: str | None = None) -> Path:
+def resolve_model(name_or_path: str | Path, *, layers: tuple[int, int] | None = None, metadata_only: bool = False,
+                  revision: str | None = None) -> Path:
     """The local directory of a model named by a path or a Hugging Face id.
 
     A path that exists must hold config.json. Anything else is taken as a Hugging Face id and
-    fetched with huggingface_hub.snapshot_download (cached under HF_HOME): first the
-    metadata (config, tokenizer, index), then, when `layers` = (start, end) is given and the
-    checkpoint has an index, only the weight files holding that stage's tensors."""
+    fetched with huggingface_hub (cached under HF_HOME, model_files.py): first the metadata
+    (config, tokenizer, index); then nothing more with `metadata_only`, or, when `layers` =
+    (start, end) is given and the checkpoint has an index, only the weight files holding that
+    stage's tensors, or else every weight file."""
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"{path} exists but has no config.json: not a Hugging Face model directory")
         return path
     name = str(name_or_path)
-    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+    if not model_files.is_hub_id(name):
         raise ModelNotFound(f"{name!r} is not a directory and not a Hugging Face id (owner/name)")
     try:
-        from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HFValidationError
-
-        local = Path(snapshot_download(name, revision=revision, allow_patterns=METADATA_PATTERNS))
-        config = read_config(local)
-        weight_map = index_map(local)
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        HFValidationError = ValueError  # type: ignore[misc,assignment]  # noqa: N806
+    try:
+        local = model_files.fetch_metadata(name, revision)
+        if metadata_only:
+            return local
+        weight_map = model_files.weight_map(local)
+        files = None
         if layers is not None and weight_map is not None:
-            num_layers = int(config.get("text_config", config)["num_hidden_layers"])
-            needed = stage_tensors(weight_map, layers[0], layers[1], num_layers, bool(config.get("tie_word_embeddings", True)))
-            patterns = sorted({weight_map[n] for n in needed})
-        else:
-            patterns = ["model*.safetensors"]
-        return Path(snapshot_download(name, revision=revision, allow_patterns=[*METADATA_PATTERNS, *patterns]))
+            files = model_files.files_for_layers(read_config(local), weight_map, layers[0], layers[1])
+        return model_files.fetch_weights(name, files, revision)
     except HFValidationError as e:
         raise ModelNotFound(f"{name!r} is not a valid Hugging Face id: {e}") from None
-    except (CheckpointError, KeyError, ValueError) as e:
+    except model_files.HubUnavailable as e:
+        raise ModelUnavailable(str(e)) from None
+    except (CheckpointError, model_files.ModelFilesError, KeyError, ValueError) as e:
         raise UnsupportedModel(f"{name}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - hub errors (offline, 404, gated, network) all mean "cannot fetch"
-        raise ModelUnavailable(
-            f"cannot fetch {name!r} from Hugging Face ({type(e).__name__}: {e}); "
-            "on a machine without internet pass a local model directory"
-        ) from None
 
 
 def family(config: dict[str, Any]) -> str:

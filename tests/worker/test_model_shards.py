@@ -137,10 +137,13 @@ def test_resolve_model(models: dict[str, Path], tmp_path: Path, monkeypatch: pyt
     with pytest.raises(ModelNotFound, match="not a directory"):
         resolve_model(str(tmp_path / "missing"))
     # A Hugging Face id on a machine without internet: a clear error, no hang.
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import, not from the env
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with pytest.raises(ModelUnavailable, match="cannot fetch 'mlx-community/Llama-3.2-1B-Instruct-4bit'"):
+    with pytest.raises(ModelUnavailable, match="cannot fetch 'mlx-community/Llama-3.2-1B-Instruct-4bit'") as caught:
         resolve_model("mlx-community/Llama-3.2-1B-Instruct-4bit", layers=(0, 4))
+    assert "ConnectError" not in str(caught.value)  # offline means no lookup at all
 
 
 def test_an_mlx_quantized_checkpoint_shards_too(models: dict[str, Path], tmp_path: Path) -> None:
