@@ -11,8 +11,14 @@ A record is a 24-byte header followed by its payload:
     4       1     kind (Kind below)
     5       1     flags: bit 0 = END, the last record of a batch; other bits zero
     6       2     zero
-    8       8     payload digest: SHA-256(payload)[:8]
+    8       8     payload digest: SHA-256(chain + payload)[:8]
     16      8     header digest:  SHA-256(header bytes 0..16)[:8]
+
+In a chained file (the wal from format version 2) ``chain`` is the header digest of the
+record before, so each record vouches for its place: an intact copy of an earlier batch
+(stale blocks after a crash, a misdirected write) fails its checksum where it lands instead
+of replaying as a newer batch. The first record of a file, and every record of an unchained
+file (version 1 wals, the identity file), use an empty chain.
 
 The header carries its own digest so that a damaged length field reads as damage; without
 it, a length made huge by a flipped bit would look like a record cut short by a crash and
@@ -42,7 +48,9 @@ HEADER_BYTES = _PRE.size + 8
 DIGEST_BYTES = 8
 FLAG_END = 0x01
 FORMAT_NAME = "p2pmesh-wal"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 chains its records (see above); version 1 files are read and rewritten."""
+FORMAT_VERSIONS_READ = (1, 2)
 REMEDY = "move the state directory aside and restart the agent; the node then rejoins as a new member"
 
 T = TypeVar("T")
@@ -90,17 +98,35 @@ def _digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()[:DIGEST_BYTES]
 
 
-def frame(kind: Kind, payload: bytes, *, end: bool) -> bytes:
-    """One record's bytes. Refuses payloads over wire.FRAME_BYTES_MAX (nothing bigger can
-    legitimately exist: every entry and snapshot also has to fit in one frame)."""
+def frame(kind: Kind, payload: bytes, *, end: bool, chain: bytes = b"") -> bytes:
+    """One record's bytes (``chain``: the header digest of the record before, in a chained
+    file). Refuses payloads over wire.FRAME_BYTES_MAX (nothing bigger can legitimately
+    exist: every entry and snapshot also has to fit in one frame)."""
     if len(payload) > wire.FRAME_BYTES_MAX:
         raise LocalProtocolError(f"{kind.name} record of {len(payload)} bytes exceeds {wire.FRAME_BYTES_MAX}")
-    pre = _PRE.pack(len(payload), kind, FLAG_END if end else 0, _digest(payload))
+    pre = _PRE.pack(len(payload), kind, FLAG_END if end else 0, _digest(chain + payload))
     return pre + _digest(pre) + payload
 
 
-def scan(data: bytes, path: Path, *, torn_tail_ok: bool) -> Scan:
-    """Split a file into records, checking every digest.
+def frames(parts: list[tuple[Kind, bytes]], chain: bytes) -> tuple[bytes, bytes]:
+    """A batch of chained records, the last one flagged END, and the chain after it."""
+    out = []
+    last = len(parts) - 1
+    for i, (kind, payload) in enumerate(parts):
+        record = frame(kind, payload, end=i == last, chain=chain)
+        chain = record[_PRE.size:HEADER_BYTES]
+        out.append(record)
+    return b"".join(out), chain
+
+
+def header_digest(record: bytes) -> bytes:
+    """The chain value a record passes on: its header digest."""
+    return record[_PRE.size:HEADER_BYTES]
+
+
+def scan(data: bytes, path: Path, *, torn_tail_ok: bool, start: int = 0, chain: bytes | None = None) -> Scan:
+    """Split a file (from offset ``start``) into records, checking every digest; with
+    ``chain`` (the header digest of the record before ``start``) as a chained file.
 
     With ``torn_tail_ok`` an incomplete final record (fewer bytes left than its header
     says, or than a header) ends the scan quietly: that is what a crash in the middle of an
@@ -109,7 +135,7 @@ def scan(data: bytes, path: Path, *, torn_tail_ok: bool) -> Scan:
     whose digest does not match is damage wherever it is, and raises StateCorrupted.
     """
     records: list[Record] = []
-    pos = 0
+    pos = start
     size = len(data)
     while pos < size:
         if size - pos < HEADER_BYTES:
@@ -124,16 +150,19 @@ def scan(data: bytes, path: Path, *, torn_tail_ok: bool) -> Scan:
         length, kind, flags, payload_digest = _PRE.unpack(pre)
         if length > wire.FRAME_BYTES_MAX or flags & ~FLAG_END or kind not in _KINDS:
             raise corrupted(path, f"record header at offset {pos} is malformed (kind {kind}, flags {flags}, length {length})")
-        start = pos + HEADER_BYTES
-        if start + length > size:
+        begin = pos + HEADER_BYTES
+        if begin + length > size:
             if torn_tail_ok:
                 break
             raise corrupted(path, f"file ends inside the record at offset {pos}")
-        payload = data[start : start + length]
-        if _digest(payload) != payload_digest:
-            raise corrupted(path, f"record at offset {pos} fails its checksum")
+        payload = data[begin : begin + length]
+        if _digest((chain or b"") + payload) != payload_digest:
+            where = " or is out of place (a copy of an earlier record)" if chain is not None else ""
+            raise corrupted(path, f"record at offset {pos} fails its checksum{where}")
+        if chain is not None:
+            chain = data[pos + _PRE.size : pos + HEADER_BYTES]
         records.append(Record(Kind(kind), bool(flags & FLAG_END), payload, pos))
-        pos = start + length
+        pos = begin + length
     return Scan(tuple(records), pos)
 
 
@@ -162,10 +191,13 @@ def encode_format() -> bytes:
     return msgpack.packb([FORMAT_NAME, FORMAT_VERSION])
 
 
-def check_format(payload: bytes, path: Path) -> None:
+def check_format(payload: bytes, path: Path) -> int:
+    """The file's format version (one this agent reads), or StateCorrupted."""
     raw = _unpack(payload, path, "format")
-    if raw != [FORMAT_NAME, FORMAT_VERSION]:
-        raise corrupted(path, f"unknown file format {raw!r} (this agent reads {FORMAT_NAME} version {FORMAT_VERSION})")
+    if type(raw) is not list or len(raw) != 2 or raw[0] != FORMAT_NAME or type(raw[1]) is not int or raw[1] not in FORMAT_VERSIONS_READ:
+        versions = " and ".join(str(v) for v in FORMAT_VERSIONS_READ)
+        raise corrupted(path, f"unknown file format {raw!r} (this agent reads {FORMAT_NAME} versions {versions})")
+    return int(raw[1])
 
 
 def encode_hard(hard: NodeHardState) -> bytes:

@@ -43,6 +43,7 @@ from p2pmesh.core.ids import ClusterId
 from p2pmesh.core.machine import NodeHardState, PersistedState, Ready
 from p2pmesh.core.messages import Config, Entry, Snapshot
 from p2pmesh.drivers.records import (
+    FORMAT_VERSION,
     HEADER_BYTES,
     Kind,
     Record,
@@ -55,6 +56,8 @@ from p2pmesh.drivers.records import (
     encode_format,
     encode_hard,
     frame,
+    frames,
+    header_digest,
     scan,
 )
 
@@ -139,7 +142,8 @@ class _Batch:
     cut: int | None
     entries: tuple[Entry, ...]
 
-    def encode(self, path: Path) -> bytes:
+    def encode(self, path: Path, chain: bytes) -> tuple[bytes, bytes]:
+        """The batch's records, chained on from ``chain``, and the chain after them."""
         parts: list[tuple[Kind, bytes]] = []
         if self.hard is not None:
             parts.append((Kind.HARD, encode_hard(self.hard)))
@@ -155,8 +159,7 @@ class _Batch:
                 _decode(kind, payload, path)
             except StateCorrupted as exc:
                 raise LocalProtocolError(f"refusing to save a value the wal could not read back: {exc}") from None
-        last = len(parts) - 1
-        return b"".join(frame(kind, payload, end=i == last) for i, (kind, payload) in enumerate(parts))
+        return frames(parts, chain)
 
 
 def _decode(kind: Kind, payload: bytes, path: Path) -> object:
@@ -251,19 +254,40 @@ class _State:
 
 
 _FORMAT_RECORD = frame(Kind.FORMAT, encode_format(), end=True)
+_FORMAT_CHAIN = header_digest(_FORMAT_RECORD)
 
 
-def _replay(data: bytes, path: Path) -> tuple[_State, int]:
-    """The state a wal describes, and the offset where its last complete batch ends."""
-    records = scan(data, path, torn_tail_ok=True).records
-    if not records or records[0].kind is not Kind.FORMAT or not records[0].end:
+@dataclass(frozen=True, slots=True)
+class _Replayed:
+    state: _State
+    end: int
+    """Offset where the last complete batch ends (the rest is a torn tail)."""
+    chain: bytes
+    """The header digest of the last record before ``end``: where the next append chains on."""
+    version: int
+
+
+def scan_wal(data: bytes, path: Path, *, torn_tail_ok: bool) -> tuple[int, tuple[Record, ...]]:
+    """The wal's format version and its records after the format record, each checked (in
+    a version 2 wal, against the chain)."""
+    first = scan(data[: HEADER_BYTES + _first_length(data)], path, torn_tail_ok=True).records
+    if not first or first[0].kind is not Kind.FORMAT or not first[0].end:
         # A wal is created whole by rename, so even a fresh one has its format record.
         raise corrupted(path, "does not start with a format record")
-    check_format(records[0].payload, path)
+    version = check_format(first[0].payload, path)
+    chain = header_digest(data[:HEADER_BYTES]) if version >= 2 else None
+    start = HEADER_BYTES + len(first[0].payload)
+    return version, scan(data, path, torn_tail_ok=torn_tail_ok, start=start, chain=chain).records
+
+
+def _replay(data: bytes, path: Path) -> _Replayed:
+    """The state a wal describes, and where (and with what chain) its last complete batch ends."""
+    version, records = scan_wal(data, path, torn_tail_ok=True)
+    good_end = HEADER_BYTES + _first_length(data)
+    good_chain = header_digest(data[:HEADER_BYTES])
     state = _State()
-    good_end = HEADER_BYTES + len(records[0].payload)
     pending: list[Record] = []
-    for r in records[1:]:
+    for r in records:
         pending.append(r)
         if not r.end:
             continue
@@ -273,8 +297,15 @@ def _replay(data: bytes, path: Path) -> tuple[_State, int]:
             raise corrupted(path, f"batch at offset {pending[0].offset} is inconsistent: {why}")
         state.apply(batch)
         good_end = r.offset + HEADER_BYTES + len(r.payload)
+        good_chain = header_digest(data[r.offset : r.offset + HEADER_BYTES])
         pending = []
-    return state, good_end
+    return _Replayed(state, good_end, good_chain, version)
+
+
+def _first_length(data: bytes) -> int:
+    """The payload length the first record's header claims (0 if there is no header yet;
+    the scan then checks the header before anything trusts it)."""
+    return int.from_bytes(data[:4], "big") if len(data) >= HEADER_BYTES else 0
 
 
 # --------------------------------------------------------------------------------------
@@ -293,7 +324,8 @@ class Storage:
     """The durable state of one node. Not thread-safe: the agent calls it from one task
     at a time (through trio.to_thread, one call after the other)."""
 
-    def __init__(self, state_dir: Path, lock_fd: int, wal_fd: int, state: _State, size: int, rewrite_min_bytes: int) -> None:
+    def __init__(self, state_dir: Path, lock_fd: int, wal_fd: int, state: _State, size: int, chain: bytes,
+                 rewrite_min_bytes: int) -> None:
         """Private: use Storage.open."""
         self._dir = state_dir
         self._wal_path = state_dir / WAL_FILE
@@ -302,6 +334,7 @@ class Storage:
         self._state = state
         self._size = size
         self._base_size = size
+        self._chain = chain
         self._rewrite_min_bytes = rewrite_min_bytes
         self._closed = False
         self._failed = False
@@ -333,8 +366,16 @@ class Storage:
                 write_atomically(wal, _FORMAT_RECORD)
             wal_fd = os.open(wal, os.O_RDWR)
             data = _read_all(wal_fd)
-            state, end = _replay(data, wal)
-            if end < len(data):
+            replayed = _replay(data, wal)
+            end, chain = replayed.end, replayed.chain
+            if replayed.version < FORMAT_VERSION:
+                # An older, unchained wal: rewrite it whole in the current format first.
+                body, chain = replayed.state.as_batch().encode(wal, _FORMAT_CHAIN)
+                write_atomically(wal, _FORMAT_RECORD + body)
+                os.close(wal_fd)
+                wal_fd = os.open(wal, os.O_RDWR)
+                end = len(_FORMAT_RECORD) + len(body)
+            elif end < len(data):
                 # Cut the torn tail durably before anything is appended after it.
                 os.ftruncate(wal_fd, end)
                 full_fsync(wal_fd)
@@ -343,7 +384,7 @@ class Storage:
                 os.close(wal_fd)
             os.close(lock_fd)
             raise
-        return cls(state_dir, lock_fd, wal_fd, state, end, rewrite_min_bytes)
+        return cls(state_dir, lock_fd, wal_fd, replayed.state, end, chain, rewrite_min_bytes)
 
     def load(self) -> PersistedState | None:
         """The state as last saved; None if no hard state was ever saved."""
@@ -367,11 +408,12 @@ class Storage:
         why = self._state.problem(batch)
         if why is not None:
             raise LocalProtocolError(f"inconsistent Ready, nothing written: {why}")
-        data = b"" if batch.snapshot is not None else batch.encode(self._wal_path)
+        data, chain = (b"", b"") if batch.snapshot is not None else batch.encode(self._wal_path, self._chain)
         rewrite = batch.snapshot is not None or self._size + len(data) > 2 * self._base_size + self._rewrite_min_bytes
         if rewrite:
             new = self._state.after(batch)
-            data = _FORMAT_RECORD + new.as_batch().encode(self._wal_path)
+            body, chain = new.as_batch().encode(self._wal_path, _FORMAT_CHAIN)
+            data = _FORMAT_RECORD + body
         # From here on a failure leaves the file in an unknown state. After a failed fsync
         # Linux may drop the dirty pages and report success on a retry (PostgreSQL's
         # "fsyncgate"), so the only safe recovery is a restart that rereads the wal.
@@ -388,6 +430,7 @@ class Storage:
             full_fsync(self._wal_fd)
             self._size += len(data)
             self._state.apply(batch)
+        self._chain = chain
         self._failed = False
 
     def load_identity_seed(self) -> bytes | None:

@@ -18,6 +18,7 @@ import struct
 import sys
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from p2pmesh.core import wire
@@ -364,19 +365,51 @@ def test_a_zero_filled_tail_is_a_torn_tail(tmp_path: Path) -> None:
     assert wal.stat().st_size == sizes[-1]
 
 
+def _tail_chain(wal: Path) -> bytes:
+    """What a record appended to ``wal`` chains on from: its last record's header digest."""
+    data = wal.read_bytes()
+    _, found = storage.scan_wal(data, wal, torn_tail_ok=False)
+    last = found[-1].offset if found else 0
+    return records.header_digest(data[last:])
+
+
 def test_complete_records_of_an_unfinished_batch_are_dropped(tmp_path: Path) -> None:
     wal, _, states = _saved_wal(tmp_path)
+    chain = _tail_chain(wal)
     with wal.open("ab") as f:
-        f.write(frame(Kind.HARD, records.encode_hard(_hard(50)), end=False))
-        f.write(frame(Kind.CUT, records.encode_cut(1), end=False))
+        hard = frame(Kind.HARD, records.encode_hard(_hard(50)), end=False, chain=chain)
+        f.write(hard + frame(Kind.CUT, records.encode_cut(1), end=False, chain=records.header_digest(hard)))
     with Storage.open(tmp_path) as st:
         assert st.load() == states[-1]
 
 
 def _append_batch(wal: Path, *parts: tuple[Kind, bytes]) -> None:
+    data, _ = records.frames(list(parts), _tail_chain(wal))
     with wal.open("ab") as f:
-        for i, (kind, payload) in enumerate(parts):
-            f.write(frame(kind, payload, end=i == len(parts) - 1))
+        f.write(data)
+
+
+def test_a_version_1_wal_is_read_and_rewritten_chained(tmp_path: Path) -> None:
+    """Version 1 wals (unchained) are read, then rewritten in the current format at open."""
+    wal, _, states = _saved_wal(tmp_path)
+    with Storage.open(tmp_path) as st:
+        state = st.load()
+    assert state == states[-1] and state is not None
+    v1 = [frame(Kind.FORMAT, msgpack.packb([records.FORMAT_NAME, 1]), end=True),
+          frame(Kind.HARD, records.encode_hard(state.hard), end=False),
+          frame(Kind.SNAPSHOT, wire.encode(state.snapshot), end=False),
+          frame(Kind.CUT, records.encode_cut(state.snapshot.index + 1), end=False)]
+    v1 += [frame(Kind.ENTRY, wire.encode(e), end=i == len(state.entries) - 1) for i, e in enumerate(state.entries)]
+    wal.write_bytes(b"".join(v1))
+    with Storage.open(tmp_path) as st:
+        assert st.load() == state
+        st.save(Ready(hard=_hard(9)))
+    data = wal.read_bytes()
+    first = data[records.HEADER_BYTES:records.HEADER_BYTES + int.from_bytes(data[:4], "big")]
+    assert msgpack.unpackb(first) == [records.FORMAT_NAME, records.FORMAT_VERSION] == [records.FORMAT_NAME, 2]
+    with Storage.open(tmp_path) as st:
+        loaded = st.load()
+        assert loaded is not None and loaded.hard == _hard(9) and loaded.entries == state.entries
 
 
 def test_a_gap_in_indices_is_corruption(tmp_path: Path) -> None:
@@ -430,7 +463,6 @@ def test_a_wal_without_its_whole_format_record_is_corruption(tmp_path: Path, kee
 
 
 def test_an_unknown_format_version_is_corruption(tmp_path: Path) -> None:
-    import msgpack
 
     wal = tmp_path / storage.WAL_FILE
     wal.write_bytes(frame(Kind.FORMAT, msgpack.packb([records.FORMAT_NAME, 99]), end=True))

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from p2pmesh.core.machine import PersistedState, Ready
-from p2pmesh.drivers import records
+from p2pmesh.drivers import records, storage
 from p2pmesh.drivers.storage import WAL_FILE, Storage
 from sim.disk import SimDisk
 from tests.drivers.storage_stream import ready_stream
@@ -96,8 +96,8 @@ def _run_and_kill(state_dir: Path, start: int, rng: random.Random, wait_for_open
 def _last_batch_start(wal: Path) -> int | None:
     """Where the wal's last batch starts, if the wal holds more than one batch (a rewrite
     leaves exactly one, and tearing that would undo an atomic rename, not a write)."""
-    found = records.scan(wal.read_bytes(), wal, torn_tail_ok=False).records
-    ends = [r for r in found[1:-1] if r.end]  # END records before the final one
+    _, found = storage.scan_wal(wal.read_bytes(), wal, torn_tail_ok=False)
+    ends = [r for r in found[:-1] if r.end]  # END records before the final one (after the format record)
     if not ends:
         return None
     last_end = ends[-1]
