@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from p2pmesh import http_api, link_tasks, models
+from p2pmesh import fetch, http_api, link_tasks, models
 from p2pmesh.core import validate, wire
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.ids import ClusterId
@@ -205,6 +205,7 @@ class Agent:
             nursery.start_soon(link_tasks.warn_bridges, self)
             nursery.start_soon(self.supervisor.run)
             nursery.start_soon(models.measure_loop, self)
+            nursery.start_soon(fetch.fetch_loop, self)
             if cfg.configure_links:
                 nursery.start_soon(link_tasks.configure_links, self)
             await self._act(ready)
@@ -371,8 +372,7 @@ class Agent:
             return {"ok": True, "model": None}
         if not isinstance(name, str) or not isinstance(context, int) or isinstance(context, bool) or not 1 <= context <= 1 << 22:
             return {"ok": False, "error": "model needs a name (path or Hugging Face id) and 1 <= context_tokens <= 4194304"}
-        root = self.config.model_root
-        local = str(root / name) if root is not None and not Path(name).is_absolute() else name
+        local = models.located(name, self.config.model_root)
         try:
             path = await trio.to_thread.run_sync(models.resolve, local)
             info = await trio.to_thread.run_sync(models.describe, name, path, context)

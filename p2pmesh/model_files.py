@@ -68,6 +68,29 @@ def fetch_weights(repo_id: str, files: Iterable[str] | None, revision: str | Non
                           lambda: snapshot_download(repo_id, revision=revision, allow_patterns=[*METADATA_PATTERNS, *patterns])))
 
 
+def fetch_layers(repo_id: str, layers: tuple[int, int] | None, revision: str | None = None) -> Path:
+    """The local snapshot of a hub model with what a stage of layers [start, end) loads
+    (None: every weight file). Without an index (one weight file) that is the whole file."""
+    local = fetch_metadata(repo_id, revision)
+    wm = weight_map(local)
+    files = None
+    if layers is not None and wm is not None:
+        config = read_json(local / "config.json")
+        if not isinstance(config, dict):
+            raise ModelFilesError(f"{local / 'config.json'} is not a JSON object")
+        files = files_for_layers(config, wm, layers[0], layers[1])
+    return fetch_weights(repo_id, files, revision)
+
+
+def fetch_for_measure(repo_id: str, revision: str | None = None) -> Path:
+    """The local snapshot with the weight file(s) of the layer a measurement times."""
+    config = read_json(fetch_metadata(repo_id, revision) / "config.json")
+    if not isinstance(config, dict):
+        raise ModelFilesError(f"config.json of {repo_id} is not a JSON object")
+    index = measured_layer(num_layers(config))
+    return fetch_layers(repo_id, (index, index + 1), revision)
+
+
 def read_json(path: Path, limit: int = INDEX_BYTES_MAX) -> Any:
     try:
         with path.open("rb") as f:

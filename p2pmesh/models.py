@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,9 @@ log = logging.getLogger("p2pmesh.models")
 
 CONFIG_BYTES_MAX = 1024 * 1024
 MEASURE_TIMEOUT_S = 300.0
+"""Timing one layer (the file it needs is fetched before, under FETCH_TIMEOUT_S)."""
+FETCH_TIMEOUT_S = 12 * 3600.0
+"""A download of a stage's files: hours for a large model on a slow line, never forever."""
 
 
 class ModelError(MeshError):
@@ -123,10 +127,31 @@ async def measure_loop(agent: Agent) -> None:
         await trio.sleep(0.5)
 
 
+def located(name: str, root: Path | None) -> str:
+    """Where this Mac looks for the model the cluster names: under the agent's
+    ``--model-root`` for a relative name, else the name itself (a path or a hub id)."""
+    return str(root / name) if root is not None and not Path(name).is_absolute() else name
+
+
+async def fetch_in_thread(fetch: Callable[[], Path], what: str) -> Path:
+    """Run a (possibly long) download in a thread, bounded by FETCH_TIMEOUT_S."""
+    with trio.move_on_after(FETCH_TIMEOUT_S):
+        try:
+            return await trio.to_thread.run_sync(fetch, abandon_on_cancel=True)
+        except model_files.ModelFilesError as exc:
+            raise ModelError(str(exc)) from None
+    raise ModelError(f"fetching {what} took more than {FETCH_TIMEOUT_S / 3600:.0f} h")
+
+
 async def _measure(name: str, root: Path | None) -> Measure:
-    local = str(root / name) if root is not None and not Path(name).is_absolute() else name
-    path = await trio.to_thread.run_sync(resolve, local)
-    cmd = [sys.executable, "-m", "p2pmesh.worker.measure", "--model", str(path)]
+    local = located(name, root)
+    if model_files.is_hub_id(local):
+        # Download first, without the measuring bound: the worker then finds the file cached.
+        await fetch_in_thread(lambda: model_files.fetch_for_measure(local), f"the measured layer of {local}")
+        target = local
+    else:
+        target = str(await trio.to_thread.run_sync(resolve, local))
+    cmd = [sys.executable, "-m", "p2pmesh.worker.measure", "--model", target]
     with trio.move_on_after(MEASURE_TIMEOUT_S) as scope:
         result = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False)
     if scope.cancelled_caught:

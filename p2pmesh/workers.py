@@ -23,8 +23,14 @@ import trio
 
 from p2pmesh.core import dataplane
 from p2pmesh.core.machine import WorkerCrashed, WorkerLoaded, WorkerOutput
-from p2pmesh.core.mlx_hostfile import MlxConfigError, jaccl_coordinator, jaccl_devices, ring_hostfile
+from p2pmesh.core.mlx_hostfile import (
+    MlxConfigError,
+    jaccl_coordinator,
+    jaccl_devices,
+    ring_hostfile,
+)
 from p2pmesh.core.serving import WorkerSubmit
+from p2pmesh.models import located
 
 if TYPE_CHECKING:
     from p2pmesh.agent import Agent
@@ -172,9 +178,7 @@ class Supervisor:
                 path.write_text(content, encoding="utf-8")
                 env[launch.file_env[name]] = str(path)
             env.update(launch.env)
-        model = want.model
-        if self.model_root is not None and not os.path.isabs(model):
-            model = str(self.model_root / model)
+        model = located(want.model, self.model_root)
         cmd = [sys.executable, "-m", "p2pmesh.worker.serve", "--model", model, "--stages", json.dumps(stages),
                "--rank", str(want.rank), "--backend", backend]
         log_file = open(cfg_dir / f"worker-{want.epoch}.log", "ab")  # noqa: SIM115 - owned by the process

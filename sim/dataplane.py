@@ -2,9 +2,10 @@
 
 After every Ready of a node the world hands it here (as an observer, after the fsync, like
 the agent acts on effects), and this module does what p2pmesh/workers.py does with real
-processes: run one worker per epoch in ``dataplane.wanted_workers(state, me)``, stop the
-ones no longer wanted, feed ``WorkerLoaded(epoch)`` once a worker has "loaded" (a seeded
-delay), and hand the head's ``Ready.submits`` to its rank-0 worker, whose tokens come back
+processes: fetch a stage's files (``StageFilesFetched(epoch)`` after a seeded delay, as
+p2pmesh/fetch.py does with real downloads), run one worker per epoch in
+``dataplane.wanted_workers(state, me)``, stop the ones no longer wanted, feed
+``WorkerLoaded(epoch)`` once a worker has "loaded" (a seeded delay), and hand the head's ``Ready.submits`` to its rank-0 worker, whose tokens come back
 as ``WorkerOutput`` inputs.
 
 The fake model is a pure function of the context: the next token is a hash of every token
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 from p2pmesh.core import dataplane
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.machine import WorkerCrashed, Mode, Ready, WorkerLoaded, WorkerOutput
+from p2pmesh.core.machine import Mode, Ready, StageFilesFetched, WorkerCrashed, WorkerLoaded, WorkerOutput
 from p2pmesh.core.messages import Stage
 from p2pmesh.core.serving import GenerateParams, WorkerSubmit
 from sim.world import SimNode, World
@@ -43,6 +44,8 @@ EOS = 0
 EOS_BELOW = 60
 """A context whose hash mod VOCAB falls below this ends the generation (finish "stop"):
 about one token in 80, so some requests stop early and most run to max_tokens."""
+FETCH_US = (10_000, 300_000)
+"""Time to find a stage's files on disk (the simulated Macs have the model already)."""
 LOAD_US = (200_000, 2_000_000)
 TOKEN_US = (5_000, 25_000)
 """Per-worker time per token (drawn once per head worker), plus up to 20% jitter."""
@@ -161,6 +164,8 @@ class DataPlane:
         """request -> epochs it was submitted to a head worker in (more than one: resumed)."""
         self.started = 0
         self.submits = 0
+        self.fetching: set[tuple[int, int, int]] = set()
+        """(node index, process generation, epoch) whose stage files are being fetched."""
         world.observers.append(self.observe)
 
     # ------------------------------------------------------------------------------
@@ -178,6 +183,9 @@ class DataPlane:
         wanted: dict[int, dataplane.WantedWorker] = {}
         if m is not None and m.raft is not None and m.mode is Mode.MEMBER and node.alive and not node.left:
             wanted = {w.epoch: w for w in dataplane.wanted_workers(m.raft.state, node.node_id)}
+            fetch = dataplane.fetch_wanted(m.raft.state, node.node_id)
+            if fetch is not None and (node.index, node.gen, fetch[0]) not in self.fetching:
+                self._fetch(node, fetch[0])
         for epoch, w in list(mine.items()):
             if w.gen != node.gen:
                 self._break(epoch, f"{node.name} lost its rank-{w.rank} worker (process gone)")
@@ -250,6 +258,17 @@ class DataPlane:
     def _report_crash(self, node: SimNode, epoch: int) -> None:
         if node.alive and not node.left and node.machine is not None:
             self.world.call(node, WorkerCrashed(epoch))
+
+    def _fetch(self, node: SimNode, epoch: int) -> None:
+        key = (node.index, node.gen, epoch)
+        self.fetching = {k for k in self.fetching if k[2] >= epoch - 2} | {key}
+        gen = node.gen
+
+        def fetched() -> None:
+            if node.alive and not node.left and node.gen == gen and node.machine is not None:
+                self.world.call(node, StageFilesFetched(epoch))
+
+        self.world.at(self.world.now_us + self.rng.randint(*FETCH_US), fetched)
 
     def _start(self, node: SimNode, want: dataplane.WantedWorker) -> None:
         w = FakeWorker(

@@ -36,6 +36,7 @@ from p2pmesh.core.messages import (
     UpdateMember,
     WorkerFailed,
     WorkerReady,
+    StageFetched,
 )
 
 KV_KEYS_MAX = 4096
@@ -95,8 +96,9 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
         ring = tuple(n for n in state.ring if n != cmd.node_id)
         hops = tuple(h for h in state.ring_hops if cmd.node_id not in (h.src, h.dst))
         ready = tuple(n for n in state.ready if n != cmd.node_id)
+        fetched = tuple(n for n in state.fetched if n != cmd.node_id)
         draining = tuple(n for n in state.draining if n != cmd.node_id)
-        return replace(state, members=members, ring=ring, ring_hops=hops, ready=ready, draining=draining)
+        return replace(state, members=members, ring=ring, ring_hops=hops, ready=ready, fetched=fetched, draining=draining)
     if isinstance(cmd, (Promote, MarkDown, MarkUp, UpdateMember, PublishPorts, PublishMeasure)):
         return replace(state, members=tuple(_update_member(m, cmd) for m in state.members))
     if isinstance(cmd, SetRing):
@@ -108,7 +110,7 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
         if member is None or member.inc != cmd.inc or cmd.node_id in state.draining:
             return state
         return replace(state, draining=tuple(sorted((*state.draining, cmd.node_id))))
-    if isinstance(cmd, (SetModel, SetPlacement, WorkerReady, ActivatePlacement, WorkerFailed)):
+    if isinstance(cmd, (SetModel, SetPlacement, WorkerReady, ActivatePlacement, WorkerFailed, StageFetched)):
         return _apply_dataplane(state, cmd)
     if isinstance(cmd, Put):
         kv = dict(state.kv)
@@ -119,7 +121,7 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
 
 
 def _apply_dataplane(
-    state: ClusterState, cmd: SetModel | SetPlacement | WorkerReady | ActivatePlacement | WorkerFailed
+    state: ClusterState, cmd: SetModel | SetPlacement | WorkerReady | ActivatePlacement | WorkerFailed | StageFetched
 ) -> ClusterState:
     """The model and the data-plane epochs (core/dataplane.py decides; this only records).
     A placement starts pending; it serves once ActivatePlacement commits (make before
@@ -136,6 +138,7 @@ def _apply_dataplane(
             placement_ring_epoch=cmd.ring_epoch,
             placement_hops=cmd.hops,
             ready=(),
+            fetched=(),
             restarts=state.restarts + 1 if cmd.restart else 0,
         )
         if not cmd.stages:
@@ -146,11 +149,13 @@ def _apply_dataplane(
         if member is None or member.inc != cmd.inc or cmd.epoch not in (state.active_epoch, state.placement_epoch):
             return state
         return replace(state, failed_epoch=max(state.failed_epoch, cmd.epoch))
-    if isinstance(cmd, WorkerReady):
+    if isinstance(cmd, (WorkerReady, StageFetched)):
         member = find_member(state, cmd.node_id)
         staged = any(s.node_id == cmd.node_id for s in state.placement)
         if cmd.epoch != state.placement_epoch or member is None or member.inc != cmd.inc or not staged:
             return state
+        if isinstance(cmd, StageFetched):
+            return state if cmd.node_id in state.fetched else replace(state, fetched=tuple(sorted((*state.fetched, cmd.node_id))))
         if cmd.node_id in state.ready:
             return state
         return replace(state, ready=tuple(sorted((*state.ready, cmd.node_id))))

@@ -122,14 +122,34 @@ def pipeline_hops(state: ClusterState, stages: tuple[Stage, ...]) -> tuple[RingH
 
 def wanted_workers(state: ClusterState, me: NodeId) -> list[WantedWorker]:
     """The workers this node should be running: its stage of the active epoch and of a
-    pending one (the pending one is loading while the active one serves)."""
+    pending one (the pending one is loading while the active one serves), the pending one
+    only once every stage's files are fetched (``all_fetched``)."""
     out = []
-    for epoch, stages in ((state.active_epoch, state.active), (state.placement_epoch, state.placement)):
+    pending = state.placement if all_fetched(state) else ()
+    for epoch, stages in ((state.active_epoch, state.active), (state.placement_epoch, pending)):
         for rank, s in enumerate(stages):
             if s.node_id == me and not any(w.epoch == epoch for w in out):
                 model = state.model.name if state.model else ""
                 out.append(WantedWorker(epoch, model, stages, rank))
     return out
+
+
+def all_fetched(state: ClusterState) -> bool:
+    """Every stage's member of the placement has its model files on disk: its workers may
+    start. MLX's ring connect gives up after about 30 s, so a group must not start forming
+    while one Mac is still downloading its layers."""
+    return all(s.node_id in state.fetched for s in state.placement)
+
+
+def fetch_wanted(state: ClusterState, me: NodeId) -> tuple[int, str, int, int] | None:
+    """(epoch, model, start, end) of the stage whose files this node should fetch now: its
+    stage of a pending placement it has not reported fetched."""
+    if state.placement_epoch <= state.active_epoch or me in state.fetched or state.model is None:
+        return None
+    for s in state.placement:
+        if s.node_id == me:
+            return state.placement_epoch, state.model.name, s.start, s.end
+    return None
 
 
 def head(state: ClusterState) -> NodeId | None:

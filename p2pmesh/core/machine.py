@@ -63,6 +63,7 @@ from p2pmesh.core.messages import (
     RemovalNotice,
     RemoveMember,
     SetModel,
+    StageFetched,
     Snapshot,
     WorkerFailed,
     WorkerReady,
@@ -161,6 +162,13 @@ class WorkerLoaded:
 
 
 @dataclass(frozen=True, slots=True)
+class StageFilesFetched:
+    """The model files of this node's stage in data-plane ``epoch`` are on its disk."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateRequested:
     """A local client asked for a generation (``req`` is unique on this node)."""
 
@@ -201,6 +209,7 @@ Input = (
     | ProbesMeasured
     | ModelMeasured
     | WorkerLoaded
+    | StageFilesFetched
     | GenerateRequested
     | WorkerOutput
     | WorkerCrashed
@@ -342,6 +351,9 @@ class Machine:
         self.loaded: set[int] = set()
         """Data-plane epochs whose local worker reported ready."""
         self._ready_sent: dict[int, int] = {}
+        self.fetched: set[int] = set()
+        """Data-plane epochs whose stage files the driver reported on disk."""
+        self._fetched_sent: dict[int, int] = {}
         self.crashed: set[int] = set()
         """Data-plane epochs whose local worker died or hung."""
         self._failed_sent: dict[int, int] = {}
@@ -470,6 +482,8 @@ class Machine:
             self.probes = event.probes
         elif isinstance(event, ModelMeasured):
             self.measure = event.measure
+        elif isinstance(event, StageFilesFetched):
+            self.fetched = {e for e in self.fetched if e >= event.epoch - 2} | {event.epoch}
         elif isinstance(event, WorkerLoaded):
             self.loaded = {e for e in self.loaded if e >= event.epoch - 2} | {event.epoch}
         elif isinstance(event, GenerateRequested):
@@ -715,6 +729,7 @@ class Machine:
         # empty log for the old one (the node-id reuse hazard of etcd-io/raft).
         self.inc = self._new_inc()
         self.last_heard = {}
+        self.fetched = set()  # epochs of the old log's placements, not the new one's
         # Raft messages of the abandoned log must not go out after the switch is persisted.
         self.ready.messages = [(dst, m) for dst, m in self.ready.messages if not hasattr(m, "hdr")]
 
@@ -875,6 +890,10 @@ class Machine:
         state = r.state
         epoch = state.placement_epoch
         staged = any(s.node_id == self.node_id for s in state.placement)
+        if epoch in self.fetched and staged and self.node_id not in state.fetched:
+            if now_ms - self._fetched_sent.get(epoch, -(10**9)) >= self.settings.hello_ms:
+                self._fetched_sent = {epoch: now_ms}
+                self._propose(StageFetched(self.node_id, self.inc, epoch), now_ms)
         if epoch in self.loaded and staged and self.node_id not in state.ready:
             if now_ms - self._ready_sent.get(epoch, -(10**9)) >= self.settings.hello_ms:
                 self._ready_sent = {epoch: now_ms}

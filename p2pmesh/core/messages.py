@@ -313,9 +313,21 @@ class WorkerFailed:
     epoch: int
 
 
+@register(41)
+@dataclass(frozen=True, slots=True)
+class StageFetched:
+    """A member of the pending placement has its stage's model files on its disk. Workers
+    start (and their MLX group forms) only once every stage's member has said so: a Mac
+    still downloading would make the others' ring connect give up."""
+
+    node_id: NodeId
+    inc: int
+    epoch: int
+
+
 Command = (
     Noop | AddLearner | Promote | RemoveMember | MarkDown | MarkUp | UpdateMember | SetRing | Put | PublishPorts
-    | SetModel | PublishMeasure | SetPlacement | WorkerReady | ActivatePlacement | WorkerFailed | Drain
+    | SetModel | PublishMeasure | SetPlacement | WorkerReady | ActivatePlacement | WorkerFailed | Drain | StageFetched
 )
 CONFIG_COMMANDS = (AddLearner, Promote, RemoveMember)
 
@@ -357,6 +369,8 @@ class ClusterState:
     """Consecutive restarts of the same stages (bounded: core/dataplane.py)."""
     draining: tuple[NodeId, ...] = ()
     """Members leaving gracefully: no new placement gives them layers."""
+    fetched: tuple[NodeId, ...] = ()
+    """Members whose files for placement_epoch's stage are on their disk (StageFetched)."""
 
 
 @register(22)

@@ -31,6 +31,7 @@ from p2pmesh.core.messages import (
     VoteRequest,
     WorkerFailed,
     WorkerReady,
+    StageFetched,
 )
 
 
@@ -134,7 +135,7 @@ def forwarded_problem(cmd: object, sender: str) -> str | None:
         return why
     if isinstance(cmd, (Put, SetModel)):
         return None
-    if isinstance(cmd, (PublishPorts, RemoveMember, PublishMeasure, WorkerReady, WorkerFailed, Drain)):
+    if isinstance(cmd, (PublishPorts, RemoveMember, PublishMeasure, WorkerReady, WorkerFailed, Drain, StageFetched)):
         return None if cmd.node_id == sender else "a member may only speak for itself"
     # Membership, health and the ring are the leader's own decisions, never a follower's.
     return f"{type(cmd).__name__} cannot be forwarded"

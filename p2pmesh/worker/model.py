@@ -77,14 +77,9 @@ def resolve_model(name_or_path: str | Path, *, layers: tuple[int, int] | None = 
     except ImportError:  # pragma: no cover - huggingface_hub is a dependency
         HFValidationError = ValueError  # type: ignore[misc,assignment]  # noqa: N806
     try:
-        local = model_files.fetch_metadata(name, revision)
         if metadata_only:
-            return local
-        weight_map = model_files.weight_map(local)
-        files = None
-        if layers is not None and weight_map is not None:
-            files = model_files.files_for_layers(read_config(local), weight_map, layers[0], layers[1])
-        return model_files.fetch_weights(name, files, revision)
+            return model_files.fetch_metadata(name, revision)
+        return model_files.fetch_layers(name, layers, revision)
     except HFValidationError as e:
         raise ModelNotFound(f"{name!r} is not a valid Hugging Face id: {e}") from None
     except model_files.HubUnavailable as e:

@@ -182,3 +182,29 @@ def test_of_two_macs_the_survivor_keeps_the_model_and_the_merge_keeps_it_too() -
     assert d.run_until(d.converged, 20_000), "the restarted Mac did not merge back"
     assert {m.cluster for m in d.machines.values()} == {survivor.cluster}
     assert all(_state(m).model == MODEL for m in d.machines.values())
+
+
+def test_workers_of_a_pending_placement_start_only_once_every_stage_has_its_files() -> None:
+    """MLX's ring connect gives up after about 30 s, so no rank may start forming its group
+    while another Mac still downloads its layers: each stage's member reports its files
+    (StageFilesFetched -> StageFetched) and workers are wanted only once all have."""
+    from p2pmesh.core import dataplane
+    from p2pmesh.core.machine import StageFilesFetched
+
+    d, ids = formed(3)
+    state = _serve(d, ids)
+    first, second = (s.node_id for s in state.placement)
+    epoch = state.placement_epoch
+    assert dataplane.fetch_wanted(state, first) == (epoch, MODEL.name, 0, state.placement[0].end)
+    assert all(dataplane.wanted_workers(state, n) == [] for n in ids)
+    d.handle(first, StageFilesFetched(epoch))
+    assert d.run_until(lambda: first in _state(leader_of(d)).fetched, 2_000)
+    assert dataplane.wanted_workers(_state(leader_of(d)), first) == []  # the other stage is still fetching
+    assert dataplane.fetch_wanted(_state(leader_of(d)), first) is None
+    d.handle(second, StageFilesFetched(epoch))
+    assert d.run_until(lambda: dataplane.all_fetched(_state(d.machines[first])), 2_000)
+    wanted = dataplane.wanted_workers(_state(d.machines[first]), first)
+    assert [(w.epoch, w.rank) for w in wanted] == [(epoch, 0)]
+    d.handle(first, StageFilesFetched(epoch - 5))  # a stale report changes nothing
+    d.run(200)
+    assert set(_state(leader_of(d)).fetched) == {first, second}

@@ -19,7 +19,7 @@ from sim.dataplane import EOS, expected_output, tokenize
 from sim.serving_scenario import SERVING_BOUND_US, ServingScenario, run_serving_seed
 
 SEEDS_PER_SIZE = 20
-PLANT_SEEDS = 6
+PLANT_SEEDS = 10
 """Every planted bug must be caught within seeds 0..PLANT_SEEDS-1."""
 
 

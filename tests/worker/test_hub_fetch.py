@@ -124,3 +124,19 @@ def test_a_malformed_index_from_the_hub_is_a_clear_error(hub: FakeHub, repo: Pat
     (bad / model_files.INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(model_files.ModelFilesError, match="not a safetensors file beside it"):
         model_files.weight_map(bad)
+
+
+def test_the_agent_fetches_a_stage_before_its_worker_starts(hub: FakeHub, repo: Path) -> None:
+    """p2pmesh/fetch.py's blocking part: the pending placement's stage files, and only
+    those, are on disk before StageFilesFetched is reported (and so before any worker of the
+    epoch starts); a local directory needs nothing fetched."""
+    from p2pmesh.fetch import fetch_stage
+
+    config = json.loads((repo / "config.json").read_text())
+    path = fetch_stage(REPO, 4, LAYERS)
+    assert sorted(hub.fetched) == model_files.files_for_layers(config, _weight_map(repo), 4, LAYERS)
+    assert all((path / f).is_file() for f in hub.fetched)
+    assert fetch_stage(str(repo), 0, 2) == repo and sorted(hub.fetched) == model_files.files_for_layers(
+        config, _weight_map(repo), 4, LAYERS)
+    with pytest.raises(models.ModelError, match="no model directory"):
+        fetch_stage("./nowhere", 0, 2)

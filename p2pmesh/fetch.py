@@ -1,0 +1,85 @@
+"""Fetching this Mac's stage files before its worker starts (agent side, trio).
+
+The leader's placement gives this Mac a stage. Its worker may start only once every
+stage's member has its files on disk (core/dataplane.all_fetched): MLX's ring connect gives
+up after about 30 s, so a group must not start forming while one Mac is still downloading
+its layers. This task fetches the files of this Mac's stage of the pending placement
+(model_files.fetch_layers: only the weight files holding its layers, and the embeddings or
+head where it needs them), then reports ``StageFilesFetched(epoch)``; the core proposes
+``StageFetched`` and, once everyone has, the workers start.
+
+A local model directory has its files already: it is reported at once, after a check that
+the directory is there. A Hugging Face id is fetched in a thread (huggingface_hub resumes a
+partial download), bounded by models.FETCH_TIMEOUT_S. A failed fetch is tried again with
+backoff, at most FETCH_ATTEMPTS_MAX times per epoch; then this Mac gives up on that epoch
+(logged), the pending placement never activates, and the active one keeps serving.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from p2pmesh import model_files, models
+from p2pmesh.core import dataplane
+from p2pmesh.core.machine import Mode, StageFilesFetched
+
+if TYPE_CHECKING:
+    from p2pmesh.agent import Agent
+
+log = logging.getLogger("p2pmesh.fetch")
+
+POLL_S = 0.5
+FETCH_ATTEMPTS_MAX = 8
+BACKOFF_S = (2.0, 60.0)
+"""First and largest wait between two tries of the same epoch's fetch."""
+
+
+def fetch_stage(name: str, start: int, end: int) -> Path:
+    """The local directory with the files a stage of layers [start, end) loads (blocking)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise models.ModelError(f"{path} has no config.json: not a Hugging Face model directory")
+        return path
+    if not model_files.is_hub_id(name):
+        raise models.ModelError(f"no model directory at {name!r} on this Mac (and it is not a Hugging Face id)")
+    return model_files.fetch_layers(name, (start, end))
+
+
+async def fetch_loop(agent: Agent) -> None:
+    """For the agent's lifetime: fetch the stage of each pending placement, then report it."""
+    reported: set[tuple[str, int]] = set()
+    """(cluster, epoch) fetched and reported: epochs restart in another cluster."""
+    failures: dict[tuple[str, int], int] = {}
+    while True:
+        m = agent.machine
+        state = m.raft.state if m is not None and m.raft is not None and m.mode is Mode.MEMBER else None
+        want = dataplane.fetch_wanted(state, m.node_id) if state is not None and m is not None else None
+        key = (str(m.cluster), want[0]) if want is not None and m is not None else None
+        if want is not None and key is not None and key not in reported and failures.get(key, 0) < FETCH_ATTEMPTS_MAX:
+            epoch, model, start, end = want
+            local = models.located(model, agent.config.model_root)
+            started = trio.current_time()
+            try:
+                await models.fetch_in_thread(lambda: fetch_stage(local, start, end), f"layers {start}-{end} of {model}")
+            except models.ModelError as exc:
+                tries = failures[key] = failures.get(key, 0) + 1
+                wait = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (tries - 1))
+                if tries < FETCH_ATTEMPTS_MAX:
+                    log.warning("epoch %d: cannot fetch layers %d-%d of %s (try %d of %d, again in %.0f s): %s",
+                                epoch, start, end, model, tries, FETCH_ATTEMPTS_MAX, wait, exc)
+                    await trio.sleep(wait)
+                else:
+                    log.error("epoch %d: giving up fetching layers %d-%d of %s after %d tries: %s",
+                              epoch, start, end, model, tries, exc)
+                continue
+            took = trio.current_time() - started
+            if took >= 1.0:
+                log.info("epoch %d: fetched layers %d-%d of %s in %.1f s", epoch, start, end, model, took)
+            reported = {k for k in reported if k[0] == key[0] and k[1] >= epoch - 2} | {key}
+            failures = {k: n for k, n in failures.items() if k[0] == key[0] and k[1] >= epoch - 2}
+            await agent.inbox_send.send(StageFilesFetched(epoch))
+        await trio.sleep(POLL_S)
