@@ -80,7 +80,8 @@ def default_state_dir() -> Path:
 @dataclass(frozen=True)
 class AgentConfig:
     state_dir: Path = field(default_factory=default_state_dir)
-    listen: tuple[str, ...] = (f"0.0.0.0:{DEFAULT_PORT}",)
+    listen: tuple[str, ...] = (f":{DEFAULT_PORT}",)
+    """Every IPv4 and IPv6 address: the agent advertises its IPv6 link-local addresses too."""
     peers: tuple[str, ...] = ()
     interfaces: tuple[str, ...] = ()
     cluster_key_file: Path | None = None
@@ -154,6 +155,11 @@ class Agent:
         may be shown as committed (the leader counts its own entries before they are on disk,
         so the live commit index can run ahead of the persistence contract)."""
 
+    def interface_advert(self, port: int) -> tuple[str, ...]:
+        """The control-plane addresses of this Mac's interfaces (``--interface`` ones only
+        when given), with the agent's port: what a wildcard listener is reachable at."""
+        return tuple(_dial(a, port) for a in interface_addresses(self.config.interfaces, include_loopback=False))
+
     @staticmethod
     def now_ms() -> int:
         return int(trio.current_time() * 1000)
@@ -165,11 +171,10 @@ class Agent:
             host, port = _split(address)
             listeners += await trio.open_tcp_listeners(port, host=host or None)
         bound_port = listeners[0].socket.getsockname()[1]
-        advertise = cfg.advertise or tuple(
+        fixed = cfg.advertise or tuple(
             f"{_split(a)[0]}:{l.socket.getsockname()[1]}" for a, l in zip(cfg.listen, listeners) if _split(a)[0] not in ("", "0.0.0.0", "::")
-        ) or tuple(
-            _dial(addr, bound_port) for addr in interface_addresses(cfg.interfaces, include_loopback=False)
         )
+        advertise = fixed or self.interface_advert(bound_port)
         server_ctx, client_ctx = self.credentials.contexts()
         self.transport = Transport(
             me=self.identity.node_id, server_ctx=server_ctx, client_ctx=client_ctx, inbox=self.inbox_send, rng=self.rng
@@ -205,6 +210,8 @@ class Agent:
             nursery.start_soon(link_tasks.warn_bridges, self)
             nursery.start_soon(self.supervisor.run)
             nursery.start_soon(models.measure_loop, self)
+            if not fixed:  # listening on every address: follow them as cables and networks change
+                nursery.start_soon(link_tasks.watch_addresses, self, bound_port, advertise)
             nursery.start_soon(fetch.fetch_loop, self)
             if cfg.configure_links:
                 nursery.start_soon(link_tasks.configure_links, self)

@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 
     agent = sub.add_parser("agent", help="run the agent (the same on every Mac, no options needed)")
     state_dir(agent)
-    agent.add_argument("--listen", action="append", default=[], help="HOST:PORT to accept peers on (repeatable; default 0.0.0.0:7741)")
+    agent.add_argument("--listen", action="append", default=[], help="HOST:PORT to accept peers on (repeatable; default :7741, every IPv4 and IPv6 address)")
     agent.add_argument("--no-mdns", action="store_true", help="do not advertise or browse with zeroconf (static peers only)")
     agent.add_argument("--interface", action="append", default=[], help="network interface to use (repeatable)")
     agent.add_argument("--peer", action="append", default=[], help="static peer HOST:PORT where multicast is blocked")
@@ -200,7 +200,8 @@ def _agent(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     config = AgentConfig(
         state_dir=args.state_dir,
-        listen=tuple(args.listen) or ("0.0.0.0:7741",),
+        # Every family: the agent advertises its interfaces' IPv6 link-local addresses too.
+        listen=tuple(args.listen) or AgentConfig.listen,
         mdns=not args.no_mdns,
         peers=tuple(args.peer),
         interfaces=tuple(args.interface),

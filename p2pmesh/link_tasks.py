@@ -22,7 +22,7 @@ import trio
 
 from p2pmesh.core import physical
 from p2pmesh.core.messages import LinkProbe, PortInfo
-from p2pmesh.core.machine import PortsObserved, ProbesMeasured
+from p2pmesh.core.machine import AddressesChanged, PortsObserved, ProbesMeasured
 from p2pmesh.core.validate import PORTS_MAX
 
 if TYPE_CHECKING:
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("p2pmesh.links")
 
 WATCH_PERIOD_S = 3.0 if sys.platform == "darwin" else 0.25
+ADDRESS_PERIOD_S = 1.0
+"""How often the interface addresses are listed (getifaddrs: cheap, no tool run)."""
 PROBE_PERIOD_S = 60.0
 PROBE_CHECK_S = 1.0
 PROBE_PORT_OFFSET = 1
@@ -60,6 +62,24 @@ async def watch_ports(agent: Agent) -> None:
             last = ports
             await agent.inbox_send.send(PortsObserved(ports))
         await trio.sleep(WATCH_PERIOD_S)
+
+
+async def watch_addresses(agent: Agent, port: int, advertised: tuple[str, ...]) -> None:
+    """Report this Mac's control-plane addresses whenever they change (a cable came up with
+    an address, a laptop moved networks, a new DHCP lease). The core publishes them
+    (UpdateMember), so peers dial, and LAN hops use, where the Mac is now."""
+    last = advertised
+    while True:  # runs for the agent's lifetime; cancelled with its nursery
+        await trio.sleep(ADDRESS_PERIOD_S)
+        try:
+            now = agent.interface_advert(port)
+        except OSError as exc:  # the interface list could not be read: keep the last one
+            log.debug("cannot list this Mac's addresses: %s", exc)
+            continue
+        if now and now != last:
+            log.info("this Mac's addresses changed: %s", ", ".join(now))
+            last = now
+            await agent.inbox_send.send(AddressesChanged(now))
 
 
 def _my_cables(agent: Agent) -> list[tuple[str, str, str]]:

@@ -63,6 +63,7 @@ from p2pmesh.core.messages import (
     RemovalNotice,
     RemoveMember,
     SetModel,
+    UpdateMember,
     StageFetched,
     Snapshot,
     WorkerFailed,
@@ -130,6 +131,14 @@ class ReadRequested:
 @dataclass(frozen=True, slots=True)
 class LeaveRequested:
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class AddressesChanged:
+    """This node's control-plane addresses ("host:port") changed: a cable came up with an
+    address, a laptop moved to another network, DHCP gave another lease."""
+
+    addresses: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +215,7 @@ Input = (
     | ReadRequested
     | LeaveRequested
     | PortsObserved
+    | AddressesChanged
     | ProbesMeasured
     | ModelMeasured
     | WorkerLoaded
@@ -346,6 +356,7 @@ class Machine:
         self.ports: tuple[PortInfo, ...] = ()
         self.probes: tuple[LinkProbe, ...] = ()
         self._ports_sent_ms = -(10**9)
+        self._addresses_sent_ms = -(10**9)
         self.measure: Measure | None = None
         self._measure_sent_ms = -(10**9)
         self.loaded: set[int] = set()
@@ -478,6 +489,8 @@ class Machine:
                 self.raft.read(event.ctx, now_ms)
         elif isinstance(event, PortsObserved):
             self.ports = event.ports
+        elif isinstance(event, AddressesChanged):
+            self.addresses = tuple(event.addresses[:validate.ADDRESSES_MAX])
         elif isinstance(event, ProbesMeasured):
             self.probes = event.probes
         elif isinstance(event, ModelMeasured):
@@ -927,12 +940,19 @@ class Machine:
             self.router.tick(state, head, epoch, now_ms)
 
     def _publish_ports(self, now_ms: int) -> None:
-        """Bring this member's committed ports and probe results up to date (any role)."""
+        """Bring this member's committed addresses, ports and probe results up to date (any
+        role). Peers dial the committed addresses, and LAN hops of the MLX hostfile use them:
+        a Mac that moved to another address must not be left behind at the old one."""
         r = self.raft
         if r is None or self.mode is not Mode.MEMBER or self.leaving or r.leader is None:
             return
         mine = find_member(r.state, self.node_id)
-        if mine is None or mine.inc != self.inc or (mine.ports == self.ports and mine.probes == self.probes):
+        if mine is None or mine.inc != self.inc:
+            return
+        if self.addresses and mine.addresses != self.addresses and now_ms - self._addresses_sent_ms >= self.settings.hello_ms:
+            self._addresses_sent_ms = now_ms
+            self._propose(UpdateMember(self.node_id, self.inc, self.addresses, self.caps), now_ms)
+        if mine.ports == self.ports and mine.probes == self.probes:
             return
         if now_ms - self._ports_sent_ms < self.settings.hello_ms:
             return  # at most one update in flight per hello period

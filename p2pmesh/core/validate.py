@@ -32,6 +32,7 @@ from p2pmesh.core.messages import (
     WorkerFailed,
     WorkerReady,
     StageFetched,
+    UpdateMember,
 )
 
 
@@ -105,6 +106,8 @@ def command_problem(cmd: object) -> str | None:
         return ports_problem(cmd.ports, cmd.probes)
     if isinstance(cmd, SetModel) and cmd.model is not None:
         return model_problem(cmd.model)
+    if isinstance(cmd, UpdateMember) and (len(cmd.addresses) > ADDRESSES_MAX or any(len(a) > 256 for a in cmd.addresses)):
+        return f"a member has at most {ADDRESSES_MAX} addresses of at most 256 characters"
     if isinstance(cmd, PublishMeasure):
         m = cmd.measure
         if m.memory_bytes < 0 or not (0 < m.layer_ms < 1e6):
@@ -113,6 +116,8 @@ def command_problem(cmd: object) -> str | None:
 
 
 LAYERS_MAX = 4096
+ADDRESSES_MAX = 32
+"""Control-plane addresses a member publishes (one per interface and family)."""
 
 
 def model_problem(m: ModelInfo) -> str | None:
@@ -135,7 +140,8 @@ def forwarded_problem(cmd: object, sender: str) -> str | None:
         return why
     if isinstance(cmd, (Put, SetModel)):
         return None
-    if isinstance(cmd, (PublishPorts, RemoveMember, PublishMeasure, WorkerReady, WorkerFailed, Drain, StageFetched)):
+    if isinstance(cmd, (PublishPorts, RemoveMember, PublishMeasure, WorkerReady, WorkerFailed, Drain, StageFetched,
+                        UpdateMember)):
         return None if cmd.node_id == sender else "a member may only speak for itself"
     # Membership, health and the ring are the leader's own decisions, never a follower's.
     return f"{type(cmd).__name__} cannot be forwarded"

@@ -147,6 +147,26 @@ def test_a_host_whose_cables_are_pulled_is_marked_down_then_back(mesh) -> None: 
     wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "the host back and up in one cluster")
 
 
+def test_a_new_address_on_a_host_is_committed_for_everyone(mesh) -> None:  # type: ignore[no-untyped-def]
+    """A Mac whose address changes (a new lease, another network, a cable that came up with
+    one) publishes it: members' committed addresses were fixed at join before."""
+    bench, agents = mesh
+    for a in agents:
+        a.start()
+    wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
+    node = agents[1].status()["node_id"]  # type: ignore[index]
+    cable = next(c for c in bench.cables if c.a == bench.hosts[1])
+    subprocess.run(["ip", "-n", cable.a, "addr", "add", "10.88.0.1/24", "dev", cable.dev_a], check=True)
+
+    def published() -> bool:
+        s = agents[0].status()
+        mine = next((m for m in (s or {}).get("members", []) if m["node_id"] == node), None)
+        return mine is not None and any(a.startswith("10.88.0.1:") for a in mine["addresses"])
+
+    wait_for(published, 15, "host 1's new address in host 0's committed view")
+    assert one_cluster(agents, 3)  # the same members: an address change is not a rejoin
+
+
 def test_ipv6_link_local_only_cables_work(tmp_path: Path) -> None:
     """Thunderbolt links often carry only IPv6 link-local addresses, which are unusable
     (tentative) for a moment after the cable comes up; discovery must wait for them and
