@@ -18,6 +18,7 @@ import os
 import platform
 import random
 import signal
+import ssl
 import sys
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,7 +28,7 @@ from typing import Any
 
 import trio
 
-from p2pmesh import fetch, http_api, link_tasks, models
+from p2pmesh import fetch, http_api, link_tasks, models, peer_copy
 from p2pmesh.core import validate, wire
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.ids import ClusterId
@@ -48,7 +49,7 @@ from p2pmesh.core.serving import ClientEvent, GenerateParams
 from p2pmesh.workers import Supervisor
 from p2pmesh.ring_view import ring_json
 from p2pmesh.core.settings import Settings
-from p2pmesh.drivers import control, keys
+from p2pmesh.drivers import control, files, keys
 from p2pmesh.drivers.storage import Storage
 from p2pmesh.core.advert import Advert
 from p2pmesh.core.wire import PROTOCOL_VERSION
@@ -160,6 +161,22 @@ class Agent:
         when given), with the agent's port: what a wildcard listener is reachable at."""
         return tuple(_dial(a, port) for a in interface_addresses(self.config.interfaces, include_loopback=False))
 
+    async def _serve_model_files(self, nursery: trio.Nursery, listeners: list[trio.SocketListener],
+                                 server_ctx: ssl.SSLContext) -> None:
+        """Serve this Mac's model files to the other members (drivers/files.py) on every
+        listen address at its port + FILES_PORT_OFFSET. A port already taken costs only
+        this Mac's ability to share models, not the agent."""
+        file_listeners: list[trio.SocketListener] = []
+        for address, listener in zip(self.config.listen, listeners):
+            host, _ = _split(address)
+            port = listener.socket.getsockname()[1] + peer_copy.FILES_PORT_OFFSET
+            try:
+                file_listeners += await trio.open_tcp_listeners(port, host=host or None)
+            except OSError as exc:
+                log.warning("cannot share model files on %s port %d: %s", host or "*", port, exc)
+        if file_listeners:
+            await nursery.start(files.serve_files, file_listeners, server_ctx, lambda name: peer_copy.lookup(self, name))
+
     @staticmethod
     def now_ms() -> int:
         return int(trio.current_time() * 1000)
@@ -184,6 +201,7 @@ class Agent:
         caps = _capabilities()
         async with trio.open_nursery() as nursery:
             await nursery.start(self.transport.run, listeners)
+            await self._serve_model_files(nursery, listeners, server_ctx)
             for peer in cfg.peers:
                 nursery.start_soon(self.transport.dial_static, peer)
             if cfg.mdns:

@@ -4,7 +4,7 @@ plain text in a pipe.
 
   p2pmesh agent [--state-dir DIR] [--listen HOST:PORT] [--interface NAME]... [--peer HOST:PORT]...
                 [--cluster-key-file FILE] [--advertise HOST:PORT]... [--leave-on-exit] [--http HOST:PORT]
-                [--memory-limit BYTES] [--configure-links] [--log-level LEVEL] [--log-format text|json]
+                [--memory-limit BYTES] [--model-root DIR] [--configure-links] [--log-level LEVEL] [--log-format text|json]
   p2pmesh status | members [--state-dir DIR | --socket PATH] [--json]
   p2pmesh ring [--json | --mlx-hostfile | --jaccl]          (the committed ring, drawn with its cables)
   p2pmesh ring solve GRAPH.json [--json]                      (plan a cabling)
@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--memory-limit", type=int, default=None, metavar="BYTES",
                        help="offer at most this much memory for model layers (default: what the Mac allows)")
     agent.add_argument("--data-port", type=int, default=47000, help="first port of the data-plane workers")
+    agent.add_argument("--model-root", type=Path, default=None, metavar="DIR",
+                       help="look up model names that are relative paths here (a model only this Mac has is "
+                            "copied to the others over the cluster's links)")
     agent.add_argument("--http", default="127.0.0.1:7780", metavar="HOST:PORT",
                        help="serve the OpenAI-compatible HTTP API here (default %(default)s; docs/http.md)")
     agent.add_argument("--http-token", default=None, metavar="TOKEN",
@@ -211,6 +214,7 @@ def _agent(args: argparse.Namespace) -> int:
         configure_links=args.configure_links,
         memory_limit_bytes=args.memory_limit,
         data_port_base=args.data_port,
+        model_root=args.model_root,
         http=http,
     )
     try:

@@ -9,8 +9,9 @@ head where it needs them), then reports ``StageFilesFetched(epoch)``; the core p
 ``StageFetched`` and, once everyone has, the workers start.
 
 A local model directory has its files already: it is reported at once, after a check that
-the directory is there. A Hugging Face id is fetched in a thread (huggingface_hub resumes a
-partial download), bounded by models.FETCH_TIMEOUT_S. A failed fetch is tried again with
+the directory is there. Otherwise the files are copied from the other Macs that have them
+(peer_copy.py), and a Hugging Face id none of them has is fetched in a thread
+(huggingface_hub resumes a partial download), bounded by models.FETCH_TIMEOUT_S. A failed fetch is tried again with
 backoff, at most FETCH_ATTEMPTS_MAX times per epoch; then this Mac gives up on that epoch
 (logged), the pending placement never activates, and the active one keeps serving.
 """
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from p2pmesh import model_files, models
+from p2pmesh import model_files, models, peer_copy
 from p2pmesh.core import dataplane
 from p2pmesh.core.machine import Mode, StageFilesFetched
 
@@ -35,6 +36,30 @@ POLL_S = 0.5
 FETCH_ATTEMPTS_MAX = 8
 BACKOFF_S = (2.0, 60.0)
 """First and largest wait between two tries of the same epoch's fetch."""
+
+
+async def ensure_layers(agent: Agent, model: str, layers: tuple[int, int] | None) -> Path:
+    """The local directory holding what layers [start, end) of the model need (None: the
+    layer a measurement times): this Mac's own directory when it has one; else a copy from
+    the other Macs (peer_copy.py, over Thunderbolt first); else, for a Hugging Face id, a
+    download of just those files, linked into the same copy directory."""
+    local = models.located(model, agent.config.model_root)
+    path = Path(local).expanduser()
+    if path.is_dir():
+        return fetch_stage(local, *(layers or (0, 1)))
+    copied = await peer_copy.copy_layers(agent, model, layers)
+    if copied is not None:
+        return copied
+    if not model_files.is_hub_id(local):
+        raise models.ModelError(f"no model directory at {local!r} on this Mac, no other Mac has it, "
+                                "and it is not a Hugging Face id")
+    if layers is None:
+        snapshot = await models.fetch_in_thread(lambda: model_files.fetch_for_measure(local), f"the measured layer of {model}")
+    else:
+        snapshot = await models.fetch_in_thread(lambda: model_files.fetch_layers(local, layers), f"layers {layers} of {model}")
+    dest = peer_copy.copy_dir(agent.config.state_dir, model)
+    await trio.to_thread.run_sync(peer_copy.link_snapshot, snapshot, dest)
+    return dest
 
 
 def fetch_stage(name: str, start: int, end: int) -> Path:
@@ -61,10 +86,9 @@ async def fetch_loop(agent: Agent) -> None:
         key = (str(m.cluster), want[0]) if want is not None and m is not None else None
         if want is not None and key is not None and key not in reported and failures.get(key, 0) < FETCH_ATTEMPTS_MAX:
             epoch, model, start, end = want
-            local = models.located(model, agent.config.model_root)
             started = trio.current_time()
             try:
-                await models.fetch_in_thread(lambda: fetch_stage(local, start, end), f"layers {start}-{end} of {model}")
+                await ensure_layers(agent, model, (start, end))
             except models.ModelError as exc:
                 tries = failures[key] = failures.get(key, 0) + 1
                 wait = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (tries - 1))

@@ -115,7 +115,7 @@ async def measure_loop(agent: Agent) -> None:
         if model is not None and model.name != measured:
             measured = model.name
             try:
-                measure = await _measure(model.name, agent.config.model_root)
+                measure = await _measure(agent, model.name)
                 limit = agent.config.memory_limit_bytes
                 if limit is not None and measure.memory_bytes > limit:
                     measure = Measure(measure.model, limit, measure.layer_ms)
@@ -143,15 +143,13 @@ async def fetch_in_thread(fetch: Callable[[], Path], what: str) -> Path:
     raise ModelError(f"fetching {what} took more than {FETCH_TIMEOUT_S / 3600:.0f} h")
 
 
-async def _measure(name: str, root: Path | None) -> Measure:
-    local = located(name, root)
-    if model_files.is_hub_id(local):
-        # Download first, without the measuring bound: the worker then finds the file cached.
-        await fetch_in_thread(lambda: model_files.fetch_for_measure(local), f"the measured layer of {local}")
-        target = local
-    else:
-        target = str(await trio.to_thread.run_sync(resolve, local))
-    cmd = [sys.executable, "-m", "p2pmesh.worker.measure", "--model", target]
+async def _measure(agent: Agent, name: str) -> Measure:
+    from p2pmesh.fetch import ensure_layers
+
+    # The measured layer's files first (this Mac's directory, a copy from another Mac, or a
+    # download), without the measuring bound; then the worker times it from disk.
+    path = await ensure_layers(agent, name, None)
+    cmd = [sys.executable, "-m", "p2pmesh.worker.measure", "--model", str(path)]
     with trio.move_on_after(MEASURE_TIMEOUT_S) as scope:
         result = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False)
     if scope.cancelled_caught:

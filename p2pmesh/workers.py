@@ -30,7 +30,7 @@ from p2pmesh.core.mlx_hostfile import (
     ring_hostfile,
 )
 from p2pmesh.core.serving import WorkerSubmit
-from p2pmesh.models import located
+from p2pmesh.peer_copy import model_dir
 
 if TYPE_CHECKING:
     from p2pmesh.agent import Agent
@@ -178,7 +178,7 @@ class Supervisor:
                 path.write_text(content, encoding="utf-8")
                 env[launch.file_env[name]] = str(path)
             env.update(launch.env)
-        model = located(want.model, self.model_root)
+        model = model_dir(want.model, self.model_root, self.agent.config.state_dir)
         cmd = [sys.executable, "-m", "p2pmesh.worker.serve", "--model", model, "--stages", json.dumps(stages),
                "--rank", str(want.rank), "--backend", backend]
         log_file = open(cfg_dir / f"worker-{want.epoch}.log", "ab")  # noqa: SIM115 - owned by the process

@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         # A hub model: the metadata, then only the weight file(s) of the layer timed.
         index = measured_layer(num_layers(read_config(resolve_model(args.model, metadata_only=True))))
         path = resolve_model(args.model, layers=(index, index + 1))
-        sizes = model_sizes(args.model, path)
+        try:
+            sizes = model_sizes(args.model, path)
+        except ModelFilesError:  # a partial copy of a local model: the agent needs only the timing
+            sizes = {"layers": num_layers(read_config(path))}
         result = {"layer_ms": round(layer_decode_ms(path, sizes["layers"], args.context), 4),
                   "memory_bytes": usable_memory_bytes(), **sizes}
     except (ModelError, CheckpointError, ModelFilesError, ValueError) as e:

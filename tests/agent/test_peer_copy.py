@@ -1,0 +1,92 @@
+"""A model on one Mac's disk only: the other Macs copy what they need from it over the
+cluster's links (drivers/files.py, peer_copy.py) and the cluster serves it. Real agent
+processes on loopback, each with its own --model-root; only the first one's holds the
+model (a sharded tiny llama), so the others can get it only from a peer.
+
+Each Mac copies only the files for what it loads: the metadata, the shard of the layer it
+measures, and the shards of its stage."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from p2pmesh import model_files
+from p2pmesh.drivers.control import request
+from p2pmesh.peer_copy import copy_dir
+from tests.agent.harness import ROOT, AgentProc, free_port, make_model, one_cluster, wait_for
+from tests.agent.test_inference_loopback import _generate, _serving
+
+FORM_TIMEOUT_S = 40
+SERVE_TIMEOUT_S = 120
+LAYERS = 6
+CONTEXT = 256
+NAME = "tiny"
+
+
+def _reference(model: Path, max_tokens: int) -> list[int]:
+    code = f"""
+import json, mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+model, tok = load({str(model)!r})
+prompt = mx.array(tok.encode("the quick brown fox"))
+out = [int(t) for (t, _), _ in zip(generate_step(prompt, model, max_tokens={max_tokens}, sampler=lambda x: mx.argmax(x, axis=-1)), range({max_tokens}))]
+print(json.dumps(out))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_model_on_one_mac_is_copied_to_the_others_and_served(tmp_path: Path) -> None:
+    from p2pmesh.drivers.keys import write_key
+    from p2pmesh.models import describe, memory_for_share
+
+    roots = [tmp_path / f"root{i}" for i in range(3)]
+    for r in roots:
+        r.mkdir()
+    model = make_model(roots[0] / NAME, family="llama", layers=LAYERS, hidden=64, seed=5, shards=3)
+    limit = memory_for_share(describe(NAME, model, CONTEXT), 2)  # two Macs must share it
+    key = tmp_path / "key"
+    write_key(key, bytes(range(7, 39)))
+    port = free_port()
+    listens = [f"127.0.0.{i + 2}:{port}" for i in range(3)]
+    agents = [
+        AgentProc(tmp_path / f"m{i}", listens[i], peers=[x for x in listens if x != listens[i]], key_file=key,
+                  extra=["--no-mdns", "--memory-limit", str(limit), "--data-port", str(31000 + (port % 500) * 8),
+                         "--model-root", str(roots[i])])
+        for i in range(3)
+    ]
+    try:
+        for a in agents:
+            a.state_dir.mkdir()
+            a.start()
+        wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
+        answer = request(agents[0].state_dir / "agent.sock", "model", name=NAME, context_tokens=CONTEXT, timeout_s=60)
+        assert answer["ok"], answer
+        placement = wait_for(lambda: _serving(agents[0], 2), SERVE_TIMEOUT_S, "a serving 2-stage placement")
+        tokens, last = _generate(agents[1], 12)
+        assert last.get("finish") in ("length", "stop") and tokens == _reference(model, 12)[: len(tokens)]
+
+        wm = model_files.weight_map(model)
+        assert wm is not None and len(set(wm.values())) == 3
+        config = json.loads((model / "config.json").read_text())
+        by_node = {s["node_id"]: s["layers"] for s in placement["stages"]}
+        for i in (1, 2):
+            copied = copy_dir(agents[i].state_dir, NAME)
+            node = agents[i].status()["node_id"]  # type: ignore[index]
+            needed = set(model_files.files_for_layers(config, wm, 1, 2))  # the measured layer
+            if node in by_node:
+                needed |= set(model_files.files_for_layers(config, wm, *by_node[node]))
+            # A Mac without a stage may still be measuring when the others already serve.
+            wait_for(lambda: {f.name for f in copied.glob("*.safetensors")} == needed, 30, f"m{i}'s copy")
+            assert (copied / "config.json").is_file() and (copied / "tokenizer.json").is_file()
+            assert not list(copied.glob("*.partial"))
+            for f in needed:
+                assert (copied / f).read_bytes() == (model / f).read_bytes()
+        assert not (agents[0].state_dir / "models").exists()  # it has the model: it copies nothing
+    finally:
+        for a in agents:
+            a.stop()

@@ -1,0 +1,144 @@
+"""The model-file driver over real TLS on loopback: listing and copying a model's files,
+node-id binding, outsiders refused, only model file names served (never another path),
+the session limit, and a copy that breaks off leaves no file behind. Every wait is bounded."""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import msgpack
+import pytest
+import trio
+
+from p2pmesh.drivers.files import (
+    MAGIC,
+    SESSIONS_MAX,
+    VERSION,
+    FileCopyError,
+    fetch_file,
+    list_files,
+    serve_files,
+    servable,
+)
+from tests.drivers.test_probe import OTHER_KEY, Member
+
+HEADER = struct.Struct(">4sBH")
+
+
+def _model(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    (d / "model-00001-of-00001.safetensors").write_bytes(os.urandom(3 << 20))
+    (d / "notes.txt").write_text("private")  # lies beside the model: never served
+    (d / ".hidden.json").write_text("{}")
+    return d
+
+
+async def _serve(nursery: trio.Nursery, server: Member, lookup) -> int:  # type: ignore[no-untyped-def]
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    await nursery.start(serve_files, listeners, server.server_ctx, lookup)
+    return int(listeners[0].socket.getsockname()[1])
+
+
+def test_names_served_are_model_files_only() -> None:
+    assert servable("config.json") and servable("model-00001-of-00002.safetensors") and servable("tokenizer.json")
+    for bad in ("../config.json", "a/config.json", ".config.json", "notes.txt", "id_rsa", "", "x" * 300 + ".safetensors"):
+        assert not servable(bad), bad
+
+
+@pytest.mark.trio
+async def test_a_member_lists_and_copies_a_model(tmp_path: Path) -> None:
+    server, client = Member(), Member()
+    model = _model(tmp_path)
+    dest = tmp_path / "copy"
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, server, lambda name: model if name == "tiny" else None)
+            files = await list_files("127.0.0.1", port, client.client_ctx, server.node_id, "tiny")
+            assert set(files) == {"config.json", "model-00001-of-00001.safetensors"}  # not notes.txt, not hidden
+            for name, size in files.items():
+                assert await fetch_file("127.0.0.1", port, client.client_ctx, server.node_id, "tiny", name, dest,
+                                        size_expected=size) == size
+                assert (dest / name).read_bytes() == (model / name).read_bytes()
+            with pytest.raises(FileCopyError, match="missing"):
+                await list_files("127.0.0.1", port, client.client_ctx, server.node_id, "other")
+            with pytest.raises(FileCopyError, match="missing"):
+                await fetch_file("127.0.0.1", port, client.client_ctx, server.node_id, "tiny", "tokenizer.json", dest)
+            with pytest.raises(ValueError):
+                await fetch_file("127.0.0.1", port, client.client_ctx, server.node_id, "tiny", "notes.txt", dest)
+            nursery.cancel_scope.cancel()
+    assert not list(dest.glob("*.partial"))
+
+
+@pytest.mark.trio
+async def test_a_raw_request_for_another_path_gets_nothing(tmp_path: Path) -> None:
+    """The name check is the server's, not only the client's."""
+    server, client = Member(), Member()
+    model = _model(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, server, lambda name: model)
+            for name in ("notes.txt", "../model/notes.txt", "/etc/passwd"):
+                tcp = await trio.open_tcp_stream("127.0.0.1", port)
+                tls = trio.SSLStream(tcp, client.client_ctx, server_hostname="p2pmesh")
+                await tls.do_handshake()
+                body = msgpack.packb(["get", "tiny", name])
+                await tls.send_all(HEADER.pack(MAGIC, VERSION, len(body)) + body)
+                assert await tls.receive_some(16) == b"\x01"  # MISSING, and nothing else
+                await trio.aclose_forcefully(tls)
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_outsiders_and_impostors_are_refused(tmp_path: Path) -> None:
+    server, client, outsider, third = Member(), Member(), Member(OTHER_KEY), Member()
+    model = _model(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, server, lambda name: model)
+            with pytest.raises(FileCopyError, match="refused|protocol"):
+                await list_files("127.0.0.1", port, outsider.client_ctx, server.node_id, "tiny")
+            with pytest.raises(FileCopyError, match="wrong_node"):
+                await list_files("127.0.0.1", port, client.client_ctx, third.node_id, "tiny")
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_a_copy_that_breaks_off_leaves_no_file(tmp_path: Path) -> None:
+    """The server says a size, then the connection ends early: the client keeps nothing."""
+    server, client = Member(), Member()
+    model = _model(tmp_path)
+    dest = tmp_path / "copy"
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, server, lambda name: model)
+            with pytest.raises(FileCopyError, match="protocol"):
+                await fetch_file("127.0.0.1", port, client.client_ctx, server.node_id, "tiny",
+                                 "model-00001-of-00001.safetensors", dest, size_expected=5)  # listed size differs
+            nursery.cancel_scope.cancel()
+    assert not dest.exists() or not any(dest.iterdir())
+
+
+@pytest.mark.trio
+async def test_sessions_beyond_the_limit_are_told_busy(tmp_path: Path) -> None:
+    server, client = Member(), Member()
+    model = _model(tmp_path)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, server, lambda name: model)
+            held = []
+            for _ in range(SESSIONS_MAX):  # handshaken sessions that never send their request
+                tcp = await trio.open_tcp_stream("127.0.0.1", port)
+                tls = trio.SSLStream(tcp, client.client_ctx, server_hostname="p2pmesh")
+                await tls.do_handshake()
+                held.append(tls)
+            await trio.sleep(0.2)
+            with pytest.raises(FileCopyError, match="busy"):
+                await list_files("127.0.0.1", port, client.client_ctx, server.node_id, "tiny")
+            for tls in held:
+                await trio.aclose_forcefully(tls)
+            await trio.sleep(0.2)
+            assert "config.json" in await list_files("127.0.0.1", port, client.client_ctx, server.node_id, "tiny")
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,37 @@
+"""What a Mac shares of its disk (peer_copy.lookup): only the model the cluster committed,
+only from a directory with a config.json; and where copies go (copy_dir)."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from p2pmesh.core.messages import ModelInfo
+from p2pmesh.peer_copy import copy_dir, has_layers, lookup
+
+
+def _agent(tmp_path: Path, committed: str | None) -> SimpleNamespace:
+    model = None if committed is None else ModelInfo(committed, 2, 1, 1, 1, 1, 1)
+    machine = SimpleNamespace(raft=SimpleNamespace(state=SimpleNamespace(model=model)))
+    config = SimpleNamespace(model_root=tmp_path / "root", state_dir=tmp_path / "state")
+    return SimpleNamespace(machine=machine, config=config)
+
+
+def test_only_the_committed_model_from_a_model_directory_is_shared(tmp_path: Path) -> None:
+    (tmp_path / "root" / "tiny").mkdir(parents=True)
+    (tmp_path / "root" / "tiny" / "config.json").write_text("{}")
+    (tmp_path / "root" / "docs").mkdir()
+    assert lookup(_agent(tmp_path, "tiny"), "tiny") == tmp_path / "root" / "tiny"  # type: ignore[arg-type]
+    assert lookup(_agent(tmp_path, "tiny"), str(tmp_path / "root" / "docs")) is None  # type: ignore[arg-type]  # not committed
+    assert lookup(_agent(tmp_path, None), "tiny") is None  # type: ignore[arg-type]
+    assert lookup(_agent(tmp_path, "docs"), "docs") is None  # type: ignore[arg-type]  # committed, but no config.json
+    mine = copy_dir(tmp_path / "state", "org/other")
+    mine.mkdir(parents=True)
+    (mine / "config.json").write_text("{}")
+    assert lookup(_agent(tmp_path, "org/other"), "org/other") == mine  # type: ignore[arg-type]  # a copy is shared on
+
+
+def test_copies_of_two_names_never_share_a_directory(tmp_path: Path) -> None:
+    a, b = copy_dir(tmp_path, "/Users/me/models/llama"), copy_dir(tmp_path, "/Users/you/models/llama")
+    assert a != b and a.parent == b.parent == tmp_path / "models"
+    assert "/" not in a.name and a.name.startswith("Users-me-models-llama-")
+    assert not has_layers(tmp_path / "missing", (0, 1))
