@@ -48,6 +48,8 @@ FILE_BYTES_MAX = 1 << 40
 IDLE_S = 30.0
 """No byte moved for this long ends a session, on both sides."""
 CHUNK = 1 << 20
+WRITE_BYTES = 8 << 20
+"""The client writes to disk in batches this large (one thread hop each)."""
 SERVED_PATTERNS = [
     "config.json", "generation_config.json", "model.safetensors.index.json", "*.safetensors",
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
@@ -271,13 +273,18 @@ async def fetch_file(host: str, port: int, client_ctx: ssl.SSLContext, expected:
             await trio.to_thread.run_sync(lambda: dest_dir.mkdir(parents=True, exist_ok=True))
             with open(partial, "wb") as out:
                 left = size
+                pending = bytearray()
                 while left > 0:
                     with trio.fail_after(IDLE_S):
                         chunk = await tls.receive_some(min(CHUNK, left))
                     if not chunk:
                         raise RemoteProtocolError(f"{name}: connection closed with {left} of {size} bytes missing")
-                    await trio.to_thread.run_sync(out.write, chunk)
+                    pending += chunk
                     left -= len(chunk)
+                    if len(pending) >= WRITE_BYTES or left == 0:
+                        # TLS hands over ~16 KiB records: write in large batches, one thread hop each.
+                        await trio.to_thread.run_sync(out.write, bytes(pending))
+                        pending.clear()
                 await trio.to_thread.run_sync(out.flush)
                 await trio.to_thread.run_sync(os.fsync, out.fileno())
             os.replace(partial, dest_dir / name)
