@@ -32,7 +32,7 @@ import msgpack
 import trio
 
 from p2pmesh.core.errors import MeshError, RemoteProtocolError
-from p2pmesh.drivers.tls import peer_node_id
+from p2pmesh.drivers.tls import dial_member, peer_node_id
 from p2pmesh.drivers.transport import HANDSHAKE_TIMEOUT_S
 
 log = logging.getLogger("p2pmesh.files")
@@ -200,11 +200,8 @@ async def _session(host: str, port: int, client_ctx: ssl.SSLContext, expected: s
                    request: list[str]) -> trio.SSLStream[trio.SocketStream]:
     body = msgpack.packb(request)
     with trio.fail_after(HANDSHAKE_TIMEOUT_S):
-        tcp = await trio.open_tcp_stream(host.strip("[]"), port)
-        tls = trio.SSLStream(tcp, client_ctx, server_hostname="p2pmesh")
+        tls, peer = await dial_member(host, port, client_ctx)
         try:
-            await tls.do_handshake()
-            peer = peer_node_id(tls.getpeercert(binary_form=True))
             if peer != expected:
                 raise FileCopyError("wrong_node", f"{host} port {port} is {peer}, expected {expected}")
             await tls.send_all(_HEADER.pack(MAGIC, VERSION, len(body)) + body)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import trio
 
 from p2pmesh.core.errors import MeshError, RemoteProtocolError
-from p2pmesh.drivers.tls import peer_node_id
+from p2pmesh.drivers.tls import dial_member, peer_node_id
 from p2pmesh.drivers.transport import HANDSHAKE_TIMEOUT_S
 
 log = logging.getLogger("p2pmesh.probe")
@@ -197,11 +197,8 @@ async def probe(
         raise ValueError(f"need 1..{PINGS_MAX} pings, 1..{BULK_BYTES_MAX} bulk bytes, a positive timeout")
     try:
         with trio.fail_after(timeout_s):
-            tcp = await trio.open_tcp_stream(host.strip("[]"), port)
-            tls = trio.SSLStream(tcp, client_ctx, server_hostname="p2pmesh")
+            tls, peer = await dial_member(host, port, client_ctx)
             try:
-                await tls.do_handshake()
-                peer = peer_node_id(tls.getpeercert(binary_form=True))
                 if peer != expected_node_id:
                     raise ProbeError("wrong_node", f"{host} port {port} is {peer}, expected {expected_node_id}")
                 return await _measure(tls, pings, bulk_bytes)

@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import trio
 from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
@@ -131,3 +132,17 @@ def peer_node_id(der_cert: bytes | None) -> NodeId:
     if not isinstance(key, Ed25519PublicKey):
         raise RemoteProtocolError("peer certificate does not carry an Ed25519 key")
     return node_id_from_public_key(key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
+
+
+async def dial_member(host: str, port: int, client_ctx: ssl.SSLContext) -> tuple[trio.SSLStream[trio.SocketStream], NodeId]:
+    """A handshaken TLS stream to the agent at host:port (IPv4, or IPv6 with a %scope), and
+    the node id its certificate proves; the caller checks it is the member it meant. The
+    caller bounds the time; on any failure nothing stays open."""
+    tcp = await trio.open_tcp_stream(host.strip("[]"), port)
+    tls = trio.SSLStream(tcp, client_ctx, server_hostname="p2pmesh")
+    try:
+        await tls.do_handshake()
+        return tls, peer_node_id(tls.getpeercert(binary_form=True))
+    except BaseException:
+        await trio.aclose_forcefully(tls)
+        raise
