@@ -509,7 +509,8 @@ def placement_json(state: Any) -> dict[str, Any]:
         "serving": bool(state.active) and all(s.node_id in up for s in state.active),
     }
     if state.placement_epoch > state.active_epoch:
-        out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), "ready": list(state.ready)}
+        out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), "ready": list(state.ready),
+                          "fetched": list(state.fetched)}
     return out
 
 

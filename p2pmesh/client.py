@@ -186,11 +186,18 @@ class PendingPlacement:
     stages: tuple[StageInfo, ...]
     ready: tuple[str, ...]
     """Members whose worker for this epoch reported ready."""
+    fetched: tuple[str, ...] = ()
+    """Members that have their stage's model files on disk (workers start once all have)."""
 
     @property
     def ready_count(self) -> int:
         holders = {s.node_id for s in self.stages}
         return sum(1 for n in set(self.ready) if n in holders)
+
+    @property
+    def fetched_count(self) -> int:
+        holders = {s.node_id for s in self.stages}
+        return sum(1 for n in set(self.fetched) if n in holders)
 
 
 @dataclass(frozen=True)
@@ -355,7 +362,8 @@ def _placement(d: Mapping[str, Any]) -> Placement:
         _opt_str(d.get("model")),
         _stages(d.get("stages")),
         bool(d.get("serving")),
-        PendingPlacement(int(pending["epoch"]), _stages(pending.get("stages")), tuple(str(n) for n in pending.get("ready") or ()))
+        PendingPlacement(int(pending["epoch"]), _stages(pending.get("stages")), tuple(str(n) for n in pending.get("ready") or ()),
+                         tuple(str(n) for n in pending.get("fetched") or ()))
         if pending else None,
     )
 
@@ -495,7 +503,10 @@ def _load_progress(name: str, p: Placement | None, floor: int, same: bool) -> Lo
     if p is None or p.model != name:
         return LoadProgress(name, "accepted", detail="waiting for the cluster to commit the model")
     if p.pending is not None and (same or p.pending.epoch > floor):
-        n, r = len(p.pending.stages), p.pending.ready_count
+        n, r, f = len(p.pending.stages), p.pending.ready_count, p.pending.fetched_count
+        if f < n:
+            return LoadProgress(name, "loading", r, n, p.pending.epoch,
+                                f"epoch {p.pending.epoch}: {f} of {n} stages have their model files (fetching)")
         return LoadProgress(name, "loading", r, n, p.pending.epoch, f"epoch {p.pending.epoch}: {r} of {n} stage workers loaded")
     if p.serving and p.stages and p.pending is None and (same or p.epoch > floor):
         n = len(p.stages)

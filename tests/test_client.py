@@ -434,3 +434,17 @@ async def test_an_embedded_agent_serves_the_model_in_process(tmp_path: Path, clu
             async with p2pmesh.Agent(state_dir=state, listen=listen, mdns=False, data_port_base=data) as again:
                 assert (await again.client().status()).node_id == members[0].node_id
                 raise KeyError("from the body")
+
+
+def test_load_progress_says_when_stages_are_still_fetching_their_files() -> None:
+    """Workers of a pending placement start only once every stage has its model files, so
+    `load` says which of the two it is waiting for."""
+    from p2pmesh.client import PendingPlacement, Placement, StageInfo, _load_progress
+
+    stages = (StageInfo("a", 0, 3), StageInfo("b", 3, 6))
+    fetching = Placement(0, "m", (), False, PendingPlacement(4, stages, (), ("a",)))
+    p = _load_progress("m", fetching, 0, False)
+    assert p.stage == "loading" and "1 of 2 stages have their model files" in p.detail
+    loading = Placement(0, "m", (), False, PendingPlacement(4, stages, ("b",), ("a", "b")))
+    p = _load_progress("m", loading, 0, False)
+    assert p.stage == "loading" and p.ready == 1 and "1 of 2 stage workers loaded" in p.detail
