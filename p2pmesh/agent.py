@@ -151,6 +151,9 @@ class Agent:
         self._requests = 0
         self.reads: dict[int, _PendingRead] = {}
         self._read_ctx = 0
+        self.copy_locks: dict[str, trio.Lock] = {}
+        """One copy of a model's files from the other Macs at a time (measure and fetch
+        could otherwise write the same file): peer_copy.copy_layers."""
         self._acted: tuple[ClusterId, int, int] | None = None
         """(cluster, incarnation, commit index) as of the last Ready whose durable part is saved: what
         may be shown as committed (the leader counts its own entries before they are on disk,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,8 @@ log = logging.getLogger("p2pmesh.peer_copy")
 FILES_PORT_OFFSET = 2
 """The model-file listener is the agent's port + 2 (probes use + 1)."""
 PEERS_TRIED_MAX = 16
+COPIES_CONCURRENT = 3
+"""Files copied at once (a member serves at most 4 sessions: drivers/files.SESSIONS_MAX)."""
 COPY_DIR = "models"
 
 
@@ -92,7 +95,10 @@ def link_snapshot(snapshot: Path, dest: Path) -> None:
         target = dest / f.name
         if f.is_file() and not target.exists():
             target.unlink(missing_ok=True)  # a dangling link from an evicted cache entry
-            target.symlink_to(f.resolve())
+            try:
+                target.symlink_to(f.resolve())
+            except FileExistsError:  # linked meanwhile by another fetch of the same model
+                pass
 
 
 def _peers(agent: Agent) -> list[tuple[NodeId, list[tuple[str, int]]]]:
@@ -132,6 +138,12 @@ async def copy_layers(agent: Agent, name: str, layers: tuple[int, int] | None) -
     """This Mac's copy of what layers [start, end) of the model need (None: the layer a
     measurement times), from the other Macs; None when they have not got it all (the
     caller then tries Hugging Face)."""
+    lock = agent.copy_locks.setdefault(name, trio.Lock())
+    async with lock:
+        return await _copy_layers(agent, name, layers)
+
+
+async def _copy_layers(agent: Agent, name: str, layers: tuple[int, int] | None) -> Path | None:
     dest = copy_dir(agent.config.state_dir, name)
     if await trio.to_thread.run_sync(has_layers, dest, layers):
         return dest
@@ -166,25 +178,37 @@ async def copy_layers(agent: Agent, name: str, layers: tuple[int, int] | None) -
 
 
 async def _copy(dest: Path, name: str, files: list[str], listings: list[tuple[NodeId, tuple[str, int], dict[str, int]]],
-                client_ctx: object) -> bool:
-    """Copy each file that is not here yet from the first member that lists it."""
-    for f in files:
+                client_ctx: ssl.SSLContext) -> bool:
+    """Copy each file that is not here yet, COPIES_CONCURRENT at a time, each from the members
+    that list it (the i-th file asks the i-th holder first, so several Macs share the work;
+    one TLS stream is bounded by one core). True when every file is here."""
+    failed: list[str] = []
+    slots = trio.Semaphore(COPIES_CONCURRENT)
+
+    async def one(i: int, f: str) -> None:
         holders = [(node, target, listed[f]) for node, target, listed in listings if f in listed]
-        if (dest / f).is_file() and holders and (dest / f).stat().st_size == holders[0][2]:
-            continue
-        for node, target, size in holders:
-            started = trio.current_time()
-            try:
-                await fetch_file(target[0], target[1], client_ctx, node, name, f, dest, size_expected=size)  # type: ignore[arg-type]
-            except FileCopyError as exc:
-                log.info("copying %s of %s from %s failed: %s", f, name, node, exc)
-                continue
-            took = max(trio.current_time() - started, 1e-6)
-            log.info("copied %s of %s from %s: %d bytes in %.2f s (%.0f MB/s)", f, name, node, size, took, size / took / 1e6)
-            break
-        else:
-            return False
-    return True
+        if holders and (dest / f).is_file() and (dest / f).stat().st_size == holders[0][2]:
+            return
+        holders = holders[i % len(holders):] + holders[: i % len(holders)] if holders else []
+        async with slots:
+            for node, target, size in holders:
+                started = trio.current_time()
+                try:
+                    await fetch_file(target[0], target[1], client_ctx, node, name, f, dest, size_expected=size)
+                except FileCopyError as exc:
+                    log.info("copying %s of %s from %s failed: %s", f, name, node, exc)
+                    continue
+                took = max(trio.current_time() - started, 1e-6)
+                log.info("copied %s of %s from %s: %d bytes in %.2f s (%.0f MB/s)", f, name, node, size, took, size / took / 1e6)
+                return
+        failed.append(f)
+
+    async with trio.open_nursery() as nursery:
+        for i, f in enumerate(files):
+            nursery.start_soon(one, i, f)
+    if failed:
+        log.info("no member could give %s of %s", ", ".join(sorted(failed)), name)
+    return not failed
 
 
 def lookup(agent: Agent, name: str) -> Path | None:

@@ -140,3 +140,19 @@ def test_the_agent_fetches_a_stage_before_its_worker_starts(hub: FakeHub, repo: 
         config, _weight_map(repo), 4, LAYERS)
     with pytest.raises(models.ModelError, match="no model directory"):
         fetch_stage("./nowhere", 0, 2)
+
+
+def test_a_hub_download_is_linked_into_the_copy_directory(hub: FakeHub, repo: Path, tmp_path: Path) -> None:
+    """What a Mac fetched from the hub is shown in its copy directory (symlinks), so it loads
+    from, and serves to the other Macs, one directory whatever each file came from."""
+    from p2pmesh.peer_copy import copy_dir, has_layers, link_snapshot
+
+    snapshot = model_files.fetch_layers(REPO, (0, 2))
+    dest = copy_dir(tmp_path / "state", REPO)
+    link_snapshot(snapshot, dest)
+    link_snapshot(snapshot, dest)  # again: nothing changes, nothing fails
+    config = json.loads((repo / "config.json").read_text())
+    last = set(model_files.files_for_layers(config, _weight_map(repo), 4, LAYERS))
+    assert has_layers(dest, (0, 2)) and has_layers(dest, (4, LAYERS)) == last.issubset(hub.fetched)
+    assert all((dest / f).resolve() == (snapshot / f).resolve() for f in hub.fetched)
+    assert load_shard(dest, 0, 2).loaded == load_shard(repo, 0, 2).loaded
