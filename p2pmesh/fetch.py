@@ -12,8 +12,9 @@ A local model directory has its files already: it is reported at once, after a c
 the directory is there. Otherwise the files are copied from the other Macs that have them
 (peer_copy.py), and a Hugging Face id none of them has is fetched in a thread
 (huggingface_hub resumes a partial download), bounded by models.FETCH_TIMEOUT_S. A failed fetch is tried again with
-backoff, at most FETCH_ATTEMPTS_MAX times per epoch; then this Mac gives up on that epoch
-(logged), the pending placement never activates, and the active one keeps serving.
+backoff, at most FETCH_ATTEMPTS_MAX times per epoch; then this Mac reports the epoch broken
+(as a worker that cannot start), and the leader restarts or re-plans it, a bounded number of
+times; the active epoch keeps serving meanwhile.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import trio
 
 from p2pmesh import model_files, models, peer_copy
 from p2pmesh.core import dataplane
-from p2pmesh.core.machine import Mode, StageFilesFetched
+from p2pmesh.core.machine import Mode, StageFilesFetched, WorkerCrashed
 
 if TYPE_CHECKING:
     from p2pmesh.agent import Agent
@@ -97,8 +98,11 @@ async def fetch_loop(agent: Agent) -> None:
                                 epoch, start, end, model, tries, FETCH_ATTEMPTS_MAX, wait, exc)
                     await trio.sleep(wait)
                 else:
+                    # Like a worker that cannot start: the epoch is reported broken, and the
+                    # leader restarts or re-plans it (bounded by dataplane.RESTARTS_MAX).
                     log.error("epoch %d: giving up fetching layers %d-%d of %s after %d tries: %s",
                               epoch, start, end, model, tries, exc)
+                    await agent.inbox_send.send(WorkerCrashed(epoch))
                 continue
             took = trio.current_time() - started
             if took >= 1.0:
