@@ -147,9 +147,12 @@ async def _copy_layers(agent: Agent, name: str, layers: tuple[int, int] | None) 
     dest = copy_dir(agent.config.state_dir, name)
     if await trio.to_thread.run_sync(has_layers, dest, layers):
         return dest
+    peers = _peers(agent)
+    if not peers:
+        return None
     _, client_ctx = agent.credentials.contexts()
     listings: list[tuple[NodeId, tuple[str, int], dict[str, int]]] = []
-    for node, targets in _peers(agent):
+    for node, targets in peers:
         for target in targets:
             try:
                 files = await list_files(target[0], target[1], client_ctx, node, name)
