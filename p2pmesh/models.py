@@ -32,6 +32,8 @@ log = logging.getLogger("p2pmesh.models")
 CONFIG_BYTES_MAX = 1024 * 1024
 MEASURE_TIMEOUT_S = 300.0
 """Timing one layer (the file it needs is fetched before, under FETCH_TIMEOUT_S)."""
+MEASURE_TRIES_MAX = 6
+MEASURE_RETRY_S = 5.0
 FETCH_TIMEOUT_S = 12 * 3600.0
 """A download of a stage's files: hours for a large model on a slow line, never forever."""
 
@@ -109,19 +111,28 @@ async def measure_loop(agent: Agent) -> None:
     """Whenever the cluster's model changes, measure it here (a short worker run) and
     publish the result; the leader plans with every member's measurement."""
     measured: str | None = None
+    failures: dict[str, int] = {}
+    retry_at = 0.0
     while True:  # for the agent's lifetime
         m = agent.machine
         model = m.raft.state.model if m and m.raft else None
-        if model is not None and model.name != measured:
-            measured = model.name
+        if model is not None and model.name != measured and trio.current_time() >= retry_at \
+                and failures.get(model.name, 0) < MEASURE_TRIES_MAX:
             try:
                 measure = await _measure(agent, model.name)
                 limit = agent.config.memory_limit_bytes
                 if limit is not None and measure.memory_bytes > limit:
                     measure = Measure(measure.model, limit, measure.layer_ms)
             except ModelError as exc:
-                log.warning("cannot measure %s here: %s", model.name, exc)
+                # A peer busy or briefly unreachable, a download that broke off: try again
+                # later (bounded), or this Mac never offers its memory for the model.
+                tries = failures[model.name] = failures.get(model.name, 0) + 1
+                wait = min(MEASURE_RETRY_S * 2 ** (tries - 1), 300.0)
+                retry_at = trio.current_time() + wait
+                log.warning("cannot measure %s here (try %d of %d%s): %s", model.name, tries, MEASURE_TRIES_MAX,
+                            f", again in {wait:.0f} s" if tries < MEASURE_TRIES_MAX else "", exc)
             else:
+                measured = model.name
                 log.info("measured %s: %.3f ms per layer, %.1f GiB usable", model.name, measure.layer_ms, measure.memory_bytes / 2**30)
                 await agent.inbox_send.send(ModelMeasured(measure))
         await trio.sleep(0.5)

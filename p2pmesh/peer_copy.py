@@ -39,6 +39,10 @@ FILES_PORT_OFFSET = 2
 PEERS_TRIED_MAX = 16
 COPIES_CONCURRENT = 3
 """Files copied at once (a member serves at most 4 sessions: drivers/files.SESSIONS_MAX)."""
+BUSY_ROUNDS_MAX = 12
+BUSY_WAIT_S = 0.2
+"""A member busy sending to other Macs is asked again after 0.2 s, doubling up to 5 s: up to
+about a minute in all before this file counts as unavailable."""
 COPY_DIR = "models"
 
 
@@ -194,16 +198,24 @@ async def _copy(dest: Path, name: str, files: list[str], listings: list[tuple[No
             return
         holders = holders[i % len(holders):] + holders[: i % len(holders)] if holders else []
         async with slots:
-            for node, target, size in holders:
-                started = trio.current_time()
-                try:
-                    await fetch_file(target[0], target[1], client_ctx, node, name, f, dest, size_expected=size)
-                except FileCopyError as exc:
-                    log.info("copying %s of %s from %s failed: %s", f, name, node, exc)
-                    continue
-                took = max(trio.current_time() - started, 1e-6)
-                log.info("copied %s of %s from %s: %d bytes in %.2f s (%.0f MB/s)", f, name, node, size, took, size / took / 1e6)
-                return
+            for round_ in range(BUSY_ROUNDS_MAX):
+                busy = False
+                for node, target, size in holders:
+                    started = trio.current_time()
+                    try:
+                        await fetch_file(target[0], target[1], client_ctx, node, name, f, dest, size_expected=size)
+                    except FileCopyError as exc:
+                        busy = busy or exc.reason == "busy"
+                        log.log(logging.DEBUG if exc.reason == "busy" else logging.INFO,
+                                "copying %s of %s from %s failed: %s", f, name, node, exc)
+                        continue
+                    took = max(trio.current_time() - started, 1e-6)
+                    log.info("copied %s of %s from %s: %d bytes in %.2f s (%.0f MB/s)", f, name, node, size, took,
+                             size / took / 1e6)
+                    return
+                if not busy:
+                    break  # every holder failed for good: no use waiting
+                await trio.sleep(min(BUSY_WAIT_S * 2 ** round_, 5.0))  # holders sending to other Macs: wait a turn
         failed.append(f)
 
     async with trio.open_nursery() as nursery:

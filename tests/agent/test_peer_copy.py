@@ -1,10 +1,11 @@
 """A model on one Mac's disk only: the other Macs copy what they need from it over the
 cluster's links (drivers/files.py, peer_copy.py) and the cluster serves it. Real agent
 processes on loopback, each with its own --model-root; only the first one's holds the
-model (a sharded tiny llama), so the others can get it only from a peer.
+model (a sharded tiny llama, 3 files), so the others can get it only from a peer.
 
-Each Mac copies only the files for what it loads: the metadata, the shard of the layer it
-measures, and the shards of its stage."""
+Memory limits make the placement certain: only m1 can hold the model, so it is the one
+stage. Each Mac copies only the files for what it loads: m2 (no stage) the metadata and the
+shard of the layer it measures; m1 every shard; m0 nothing."""
 from __future__ import annotations
 
 import json
@@ -48,14 +49,14 @@ def test_a_model_on_one_mac_is_copied_to_the_others_and_served(tmp_path: Path) -
     for r in roots:
         r.mkdir()
     model = make_model(roots[0] / NAME, family="llama", layers=LAYERS, hidden=64, seed=5, shards=3)
-    limit = memory_for_share(describe(NAME, model, CONTEXT), 2)  # two Macs must share it
+    limits = [1, memory_for_share(describe(NAME, model, CONTEXT), 1), 1]  # only m1 can hold layers
     key = tmp_path / "key"
     write_key(key, bytes(range(7, 39)))
     port = free_port()
     listens = [f"127.0.0.{i + 2}:{port}" for i in range(3)]
     agents = [
         AgentProc(tmp_path / f"m{i}", listens[i], peers=[x for x in listens if x != listens[i]], key_file=key,
-                  extra=["--no-mdns", "--memory-limit", str(limit), "--data-port", str(31000 + (port % 500) * 8),
+                  extra=["--no-mdns", "--memory-limit", str(limits[i]), "--data-port", str(31000 + (port % 500) * 8),
                          "--model-root", str(roots[i])])
         for i in range(3)
     ]
@@ -66,20 +67,18 @@ def test_a_model_on_one_mac_is_copied_to_the_others_and_served(tmp_path: Path) -
         wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
         answer = request(agents[0].state_dir / "agent.sock", "model", name=NAME, context_tokens=CONTEXT, timeout_s=60)
         assert answer["ok"], answer
-        placement = wait_for(lambda: _serving(agents[0], 2), SERVE_TIMEOUT_S, "a serving 2-stage placement")
-        tokens, last = _generate(agents[1], 12)
+        placement = wait_for(lambda: _serving(agents[0], 1), SERVE_TIMEOUT_S, "a serving placement")
+        assert [s["node_id"] for s in placement["stages"]] == [agents[1].status()["node_id"]]  # type: ignore[index]
+        tokens, last = _generate(agents[2], 12)  # m2 asks; m1, which copied the model, answers
         assert last.get("finish") in ("length", "stop") and tokens == _reference(model, 12)[: len(tokens)]
 
         wm = model_files.weight_map(model)
         assert wm is not None and len(set(wm.values())) == 3
         config = json.loads((model / "config.json").read_text())
-        by_node = {s["node_id"]: s["layers"] for s in placement["stages"]}
-        for i in (1, 2):
+        measured = set(model_files.files_for_layers(config, wm, 1, 2))
+        assert len(measured) < 3
+        for i, needed in ((1, set(wm.values())), (2, measured)):
             copied = copy_dir(agents[i].state_dir, NAME)
-            node = agents[i].status()["node_id"]  # type: ignore[index]
-            needed = set(model_files.files_for_layers(config, wm, 1, 2))  # the measured layer
-            if node in by_node:
-                needed |= set(model_files.files_for_layers(config, wm, *by_node[node]))
             # A Mac without a stage may still be measuring when the others already serve.
             wait_for(lambda: {f.name for f in copied.glob("*.safetensors")} == needed, 30, f"m{i}'s copy")
             assert (copied / "config.json").is_file() and (copied / "tokenizer.json").is_file()
