@@ -6,8 +6,10 @@ back, with the cluster's events shown live and the text checked against the firs
 
     scripts/demo [--model DIR] [--prompt TEXT] [--max-tokens N] [--keep]
 
-Each agent offers memory for about half the model (`--memory-limit`), so the layers must
-be spread over two of the three: when a Mac holding layers is killed, the third takes them
+Only the first agent has the model on its disk (each agent has a --model-root of its own);
+the others copy the files they need from it over the cluster's links, as Macs do over
+Thunderbolt. Each agent offers memory for about half the model (`--memory-limit`), so the
+layers must be spread over two of the three: when a Mac holding layers is killed, the third takes them
 over (a rebalance), and the request in flight resumes on the new placement. Greedy decoding
 makes every run's text identical, which is what the demo checks. Everything runs in a fresh
 temporary directory, deleted at the end (--keep leaves it, with the agents' logs).
@@ -23,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +34,11 @@ sys.path.insert(0, str(ROOT))
 import p2pmesh  # noqa: E402
 from p2pmesh import local_cmd, model_cmd, terminal  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
+from p2pmesh.peer_copy import copy_dir  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "scripts" / "demo_model"
+MODEL_NAME = "p2pmesh-demo-model"
+"""What the model is called in agent 0's --model-root (a name no agent finds anywhere else)."""
 DEFAULT_PROMPT = "The Macs form a ring"
 """A paragraph start of the corpus the model learnt (scripts/demo_model/README.md): readable text."""
 AGENTS = 3
@@ -128,7 +133,13 @@ def main() -> int:
     write_key(key, os.urandom(32))
     limit = memory_limit(model)
     # --no-http: the demo talks to the agents through the client API only (docs/http.md shows the HTTP API).
-    cluster = Cluster(root, local_cmd.loopback_nodes(AGENTS, root, key, 7780, ["--memory-limit", str(limit), "--no-http"]))
+    nodes = local_cmd.loopback_nodes(AGENTS, root, key, 7780, ["--memory-limit", str(limit), "--no-http"])
+    # Only agent 0's model root holds the model; the others must copy it from the cluster.
+    for i in range(AGENTS):
+        (root / f"mac{i}").mkdir()
+    (root / "mac0" / MODEL_NAME).symlink_to(model)
+    nodes = [replace(n, argv=(*n.argv, "--model-root", str(root / f"mac{n.index}"))) for n in nodes]
+    cluster = Cluster(root, nodes)
     stop_watch = threading.Event()
     try:
         con.rule("1. Three agents on this computer")
@@ -139,11 +150,15 @@ def main() -> int:
         client = p2pmesh.connect(cluster.socket(0))
         con.print(terminal.status_view(_status_json(cluster, 0)))
 
-        con.rule("2. Load the model the project trained (scripts/demo_model)")
+        con.rule("2. Load the model the project trained (scripts/demo_model), on agent 0's disk only")
         with model_cmd.ProgressReport(con, "loading") as bar:
-            loaded = client.load(model, context_tokens=CONTEXT_TOKENS, timeout=SERVE_TIMEOUT_S,
+            loaded = client.load(MODEL_NAME, context_tokens=CONTEXT_TOKENS, timeout=SERVE_TIMEOUT_S,
                                  on_progress=lambda p: bar.update(p.detail, p.ready, p.stages))
         con.print(terminal.placement_text(_status_json(cluster, 0)["placement"]))
+        for i in range(1, AGENTS):
+            copied = [f for f in copy_dir(cluster.nodes[i].state_dir, MODEL_NAME).glob("*") if f.is_file()]
+            con.print(f"agent {i} copied {len(copied)} files ({sum(f.stat().st_size for f in copied) / 1e6:.1f} MB) "
+                      "of the model from the others")
 
         con.rule("3. Generate through the client API")
         con.print(f"prompt: {a.prompt!r}", style="bold")
