@@ -47,7 +47,9 @@ async def ensure_layers(agent: Agent, model: str, layers: tuple[int, int] | None
     local = models.located(model, agent.config.model_root)
     path = Path(local).expanduser()
     if path.is_dir():
-        return fetch_stage(local, *(layers or (0, 1)))
+        if not (path / "config.json").is_file():
+            raise models.ModelError(f"{path} has no config.json: not a Hugging Face model directory")
+        return path
     copied = await peer_copy.copy_layers(agent, model, layers)
     if copied is not None:
         return copied
@@ -61,18 +63,6 @@ async def ensure_layers(agent: Agent, model: str, layers: tuple[int, int] | None
     dest = peer_copy.copy_dir(agent.config.state_dir, model)
     await trio.to_thread.run_sync(peer_copy.link_snapshot, snapshot, dest)
     return dest
-
-
-def fetch_stage(name: str, start: int, end: int) -> Path:
-    """The local directory with the files a stage of layers [start, end) loads (blocking)."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise models.ModelError(f"{path} has no config.json: not a Hugging Face model directory")
-        return path
-    if not model_files.is_hub_id(name):
-        raise models.ModelError(f"no model directory at {name!r} on this Mac (and it is not a Hugging Face id)")
-    return model_files.fetch_layers(name, (start, end))
 
 
 async def fetch_loop(agent: Agent) -> None:

@@ -126,20 +126,26 @@ def test_a_malformed_index_from_the_hub_is_a_clear_error(hub: FakeHub, repo: Pat
         model_files.weight_map(bad)
 
 
-def test_the_agent_fetches_a_stage_before_its_worker_starts(hub: FakeHub, repo: Path) -> None:
-    """p2pmesh/fetch.py's blocking part: the pending placement's stage files, and only
-    those, are on disk before StageFilesFetched is reported (and so before any worker of the
-    epoch starts); a local directory needs nothing fetched."""
-    from p2pmesh.fetch import fetch_stage
+def test_the_agent_fetches_a_stage_no_other_mac_has_from_the_hub(hub: FakeHub, repo: Path, tmp_path: Path) -> None:
+    """p2pmesh/fetch.ensure_layers, as before a worker starts: no member to copy from, so
+    only the stage's files come from the hub, shown in the Mac's copy directory; a local
+    directory needs nothing fetched; a name that is neither is a clear error."""
+    from types import SimpleNamespace
 
+    import trio
+
+    from p2pmesh.fetch import ensure_layers
+
+    agent = SimpleNamespace(machine=None, config=SimpleNamespace(model_root=None, state_dir=tmp_path / "state"),
+                            copy_locks={})
     config = json.loads((repo / "config.json").read_text())
-    path = fetch_stage(REPO, 4, LAYERS)
+    path = trio.run(ensure_layers, agent, REPO, (4, LAYERS))
     assert sorted(hub.fetched) == model_files.files_for_layers(config, _weight_map(repo), 4, LAYERS)
-    assert all((path / f).is_file() for f in hub.fetched)
-    assert fetch_stage(str(repo), 0, 2) == repo and sorted(hub.fetched) == model_files.files_for_layers(
-        config, _weight_map(repo), 4, LAYERS)
-    with pytest.raises(models.ModelError, match="no model directory"):
-        fetch_stage("./nowhere", 0, 2)
+    assert path == tmp_path / "state" / "models" / path.name and all((path / f).is_file() for f in hub.fetched)
+    assert trio.run(ensure_layers, agent, str(repo), (0, 2)) == repo
+    assert sorted(hub.fetched) == model_files.files_for_layers(config, _weight_map(repo), 4, LAYERS)  # nothing more
+    with pytest.raises(models.ModelError, match="no other Mac has it"):
+        trio.run(ensure_layers, agent, "./nowhere", (0, 2))
 
 
 def test_a_hub_download_is_linked_into_the_copy_directory(hub: FakeHub, repo: Path, tmp_path: Path) -> None:
