@@ -142,3 +142,32 @@ async def test_sessions_beyond_the_limit_are_told_busy(tmp_path: Path) -> None:
             await trio.sleep(0.2)
             assert "config.json" in await list_files("127.0.0.1", port, client.client_ctx, server.node_id, "tiny")
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_garbage_requests_end_their_session_and_the_server_keeps_serving(tmp_path: Path) -> None:
+    server, client = Member(), Member()
+    model = _model(tmp_path)
+    bodies = [b"", b"\x00" * 7, HEADER.pack(b"XXXX", VERSION, 0), HEADER.pack(MAGIC, 9, 0),
+              HEADER.pack(MAGIC, VERSION, 60000), HEADER.pack(MAGIC, VERSION, 3) + b"\xc1\xc1\xc1",
+              HEADER.pack(MAGIC, VERSION, 3) + msgpack.packb([1, 2]),
+              HEADER.pack(MAGIC, VERSION, len(msgpack.packb(["put", "x"]))) + msgpack.packb(["put", "x"])]
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, server, lambda name: model)
+            for body in bodies:
+                tcp = await trio.open_tcp_stream("127.0.0.1", port)
+                tls = trio.SSLStream(tcp, client.client_ctx, server_hostname="p2pmesh")
+                await tls.do_handshake()
+                await tls.send_all(body)
+                if len(body) < HEADER.size:
+                    await trio.aclose_forcefully(tls)  # a client that gives up midway
+                    continue
+                with trio.move_on_after(5):
+                    try:
+                        assert await tls.receive_some(16) in (b"",)  # closed, nothing served
+                    except trio.BrokenResourceError:
+                        pass
+                await trio.aclose_forcefully(tls)
+            assert "config.json" in await list_files("127.0.0.1", port, client.client_ctx, server.node_id, "tiny")
+            nursery.cancel_scope.cancel()
