@@ -8,6 +8,9 @@ its layers. This task fetches the files of this Mac's stage of the pending place
 head where it needs them), then reports ``StageFilesFetched(epoch)``; the core proposes
 ``StageFetched`` and, once everyone has, the workers start.
 
+Copies of models the cluster no longer serves are removed once its model has stayed the same
+for PRUNE_AFTER_S (they are p2pmesh's own files under the state directory, and large).
+
 A local model directory has its files already: it is reported at once, after a check that
 the directory is there. Otherwise the files are copied from the other Macs that have them
 (peer_copy.py), and a Hugging Face id none of them has is fetched in a thread
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("p2pmesh.fetch")
 
 POLL_S = 0.5
+PRUNE_AFTER_S = 60.0
+"""Copies of other models are removed once the cluster has kept its model this long."""
 FETCH_ATTEMPTS_MAX = 8
 BACKOFF_S = (2.0, 60.0)
 """First and largest wait between two tries of the same epoch's fetch."""
@@ -70,8 +75,18 @@ async def fetch_loop(agent: Agent) -> None:
     reported: set[tuple[str, int]] = set()
     """(cluster, epoch) fetched and reported: epochs restart in another cluster."""
     failures: dict[tuple[str, int], int] = {}
+    model_since: tuple[str | None, float] = (None, trio.current_time())
+    pruned_for: str | None = None
     while True:
         m = agent.machine
+        committed = m.raft.state.model if m is not None and m.raft is not None else None
+        name = committed.name if committed is not None else None
+        if name != model_since[0]:
+            model_since = (name, trio.current_time())
+        elif name is not None and name != pruned_for and trio.current_time() - model_since[1] >= PRUNE_AFTER_S:
+            pruned_for = name
+            for d in await trio.to_thread.run_sync(peer_copy.prune_copies, agent.config.state_dir, name):
+                log.info("removed this Mac's copy of another model: %s", d)
         state = m.raft.state if m is not None and m.raft is not None and m.mode is Mode.MEMBER else None
         want = dataplane.fetch_wanted(state, m.node_id) if state is not None and m is not None else None
         key = (str(m.cluster), want[0]) if want is not None and m is not None else None

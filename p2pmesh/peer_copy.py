@@ -53,6 +53,21 @@ def copy_dir(state_dir: Path, name: str) -> Path:
     return state_dir / COPY_DIR / f"{tail}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
 
 
+def prune_copies(state_dir: Path, keep: str) -> list[Path]:
+    """Delete this Mac's copies of every model but ``keep`` (blocking); returns what went.
+    They are p2pmesh's own files, and a model's can be hundreds of GB; a model chosen again
+    is copied again, over Thunderbolt."""
+    import shutil
+
+    wanted = copy_dir(state_dir, keep)
+    gone = []
+    for d in sorted((state_dir / COPY_DIR).glob("*")) if (state_dir / COPY_DIR).is_dir() else []:
+        if d != wanted and d.is_dir() and not d.is_symlink():
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
 def model_dir(name: str, root: Path | None, state_dir: Path) -> str:
     """What a worker of this Mac loads the model from: its own directory, else its copy
     (from the other Macs, or linked from the Hugging Face cache), else the name itself."""

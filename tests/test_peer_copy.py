@@ -35,3 +35,18 @@ def test_copies_of_two_names_never_share_a_directory(tmp_path: Path) -> None:
     assert a != b and a.parent == b.parent == tmp_path / "models"
     assert "/" not in a.name and a.name.startswith("Users-me-models-llama-")
     assert not has_layers(tmp_path / "missing", (0, 1))
+
+
+def test_copies_of_other_models_are_pruned_and_nothing_else_is_touched(tmp_path: Path) -> None:
+    from p2pmesh.peer_copy import prune_copies
+
+    keep, other = copy_dir(tmp_path, "tiny"), copy_dir(tmp_path, "org/old")
+    for d in (keep, other):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (tmp_path / "models" / "link").symlink_to(outside)  # never followed, never removed
+    assert prune_copies(tmp_path, "tiny") == [other]
+    assert keep.is_dir() and not other.exists() and outside.is_dir() and (tmp_path / "models" / "link").is_symlink()
+    assert prune_copies(tmp_path / "nothing-here", "tiny") == []
