@@ -592,7 +592,7 @@ def _p_chat(messages: Sequence[Mapping[str, Any]], fields: dict[str, Any], quoru
     st = yield from _p_model_ready(quorum_timeout_s)
     assert st.placement is not None and st.placement.model is not None
     name = st.placement.model
-    prompt = yield _Blocking(lambda: _chat_prompt(name, msgs, model_root))
+    prompt = yield _Blocking(lambda: _chat_prompt(name, msgs, model_root, st.state_dir))
     return {"op": "generate", **fields, **prompt}
 
 
@@ -693,16 +693,19 @@ _TOKENIZERS: dict[str, Any] = {}
 _TOKENIZERS_LOCK = threading.Lock()
 
 
-def _model_directory(name: str, model_root: Path | None) -> Path:
-    """The model's files on this machine, for its tokenizer and chat template."""
-    from p2pmesh import models
+def _model_directory(name: str, model_root: Path | None, state_dir: Path | None = None) -> Path:
+    """The model's files on this machine, for its tokenizer and chat template: its own
+    directory, the agent's copy of it from another Mac (in the agent's state directory),
+    or, for a Hugging Face id, its metadata."""
+    from p2pmesh import model_files, models, peer_copy
 
-    local = str(model_root / name) if model_root is not None and not Path(name).is_absolute() else name
+    local = models.located(name, model_root)
     try:
         return models.resolve(local, allow_download=False)
     except models.ModelError:
         pass
-    from p2pmesh import model_files
+    if state_dir is not None and (peer_copy.copy_dir(state_dir, name) / "config.json").is_file():
+        return peer_copy.copy_dir(state_dir, name)
 
     if not model_files.is_hub_id(name):
         raise P2PMeshError(f"chat needs the tokenizer of {name}, and there is no such directory on this machine; "
@@ -725,10 +728,11 @@ def _tokenizer(directory: Path) -> Any:
         return tok
 
 
-def _chat_prompt(name: str, messages: tuple[dict[str, Any], ...], model_root: Path | None) -> dict[str, Any]:
+def _chat_prompt(name: str, messages: tuple[dict[str, Any], ...], model_root: Path | None,
+                 state_dir: Path | None = None) -> dict[str, Any]:
     """The generate fields for a chat: token ids rendered by the model's chat template, or
     the fallback prompt as text when the model has none."""
-    directory = _model_directory(name, model_root)
+    directory = _model_directory(name, model_root, state_dir)
     if not chat_template.directory_has_template(directory):
         return {"prompt": fallback_chat_prompt(messages)}
     try:

@@ -272,7 +272,9 @@ async def serve_http(
     config.errorlog = server_log
     config.include_server_header = False
     config.graceful_timeout = 2.0
-    app = HttpApi(agent, token=token, limits=limits, model_root=getattr(getattr(agent, "config", None), "model_root", None))
+    config = getattr(agent, "config", None)
+    app = HttpApi(agent, token=token, limits=limits, model_root=getattr(config, "model_root", None),
+                  state_dir=getattr(config, "state_dir", None))
 
     def started(binds: list[str] | None = None) -> None:
         log.info("HTTP API on %s%s", ", ".join(binds or []), " (token required)" if token else "")
@@ -371,13 +373,13 @@ class HttpApi:
     """The ASGI app. One instance per server; `active` counts requests in flight."""
 
     def __init__(self, agent: AgentLike, *, token: str | None, limits: HttpLimits = HttpLimits(),
-                 model_root: Path | None = None) -> None:
+                 model_root: Path | None = None, state_dir: Path | None = None) -> None:
         self.agent = agent
         self.limits = limits
         # Compare digests, not the token itself: equal lengths, so the comparison's time says
         # nothing about the token's length either.
         self._token_digest = hashlib.sha256(token.encode()).digest() if token is not None else None
-        self.tokenizers = Tokenizers(model_root)
+        self.tokenizers = Tokenizers(model_root, state_dir)
         self.active = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -916,8 +918,10 @@ class Tokenizers:
     RETRY_FAILED_S = 60.0
     """A tokenizer that failed to load (offline, a partial download) is tried again after this."""
 
-    def __init__(self, model_root: Path | None = None) -> None:
+    def __init__(self, model_root: Path | None = None, state_dir: Path | None = None) -> None:
         self.model_root = model_root
+        self.state_dir = state_dir
+        """Where the agent keeps models copied from other Macs (peer_copy.copy_dir)."""
         self._cache: dict[str, _Loaded] = {}
         self._lock = trio.Lock()
 
@@ -935,8 +939,14 @@ class Tokenizers:
     def _load(self, name: str) -> _Loaded:
         from p2pmesh import models
 
-        # The same lookup as the agent's `model set`: relative names under --model-root.
-        local = str(self.model_root / name) if self.model_root is not None and not Path(name).is_absolute() else name
+        from p2pmesh import peer_copy
+
+        # Where this Mac's workers load the model from: its own directory (relative names
+        # under --model-root), else its copy from the other Macs, else the name (a hub id).
+        if self.state_dir is not None:
+            local = peer_copy.model_dir(name, self.model_root, self.state_dir)
+        else:
+            local = models.located(name, self.model_root)
         try:
             return _Loaded(chat_template.load_tokenizer(models.resolve(local)))
         except Exception as exc:  # noqa: BLE001 - any failure: serve without counts or templates

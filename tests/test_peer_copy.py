@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from p2pmesh.core.messages import ModelInfo
 from p2pmesh.peer_copy import copy_dir, has_layers, lookup
 
@@ -50,3 +52,33 @@ def test_copies_of_other_models_are_pruned_and_nothing_else_is_touched(tmp_path:
     assert prune_copies(tmp_path, "tiny") == [other]
     assert keep.is_dir() and not other.exists() and outside.is_dir() and (tmp_path / "models" / "link").is_symlink()
     assert prune_copies(tmp_path / "nothing-here", "tiny") == []
+
+
+def test_the_http_api_finds_the_tokenizer_of_a_model_this_mac_only_copied(tmp_path: Path) -> None:
+    """A Mac serving a model it copied from another Mac has no directory of its own for it:
+    chat templates and token counts must come from its copy."""
+    import shutil
+
+    from p2pmesh.http_api import Tokenizers
+    from tests.agent.harness import ROOT
+
+    mine = copy_dir(tmp_path / "state", "p2pmesh-demo-model")
+    mine.mkdir(parents=True)
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(ROOT / "scripts" / "demo_model" / f, mine / f)
+    assert Tokenizers(tmp_path / "root", tmp_path / "state")._load("p2pmesh-demo-model").tokenizer is not None
+    assert Tokenizers(tmp_path / "root")._load("p2pmesh-demo-model").tokenizer is None  # no copy dir known: none
+
+
+def test_the_client_finds_the_chat_template_in_the_agents_copy(tmp_path: Path) -> None:
+    import shutil
+
+    from p2pmesh.client import P2PMeshError, _model_directory
+    from tests.agent.harness import ROOT
+
+    with pytest.raises(P2PMeshError, match="no such directory"):
+        _model_directory("p2pmesh-demo-model", None, tmp_path / "state")
+    mine = copy_dir(tmp_path / "state", "p2pmesh-demo-model")
+    mine.mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "demo_model" / "config.json", mine / "config.json")
+    assert _model_directory("p2pmesh-demo-model", None, tmp_path / "state") == mine
