@@ -272,9 +272,9 @@ async def serve_http(
     config.errorlog = server_log
     config.include_server_header = False
     config.graceful_timeout = 2.0
-    config = getattr(agent, "config", None)
-    app = HttpApi(agent, token=token, limits=limits, model_root=getattr(config, "model_root", None),
-                  state_dir=getattr(config, "state_dir", None))
+    agent_config = getattr(agent, "config", None)
+    app = HttpApi(agent, token=token, limits=limits, model_root=getattr(agent_config, "model_root", None),
+                  state_dir=getattr(agent_config, "state_dir", None))
 
     def started(binds: list[str] | None = None) -> None:
         log.info("HTTP API on %s%s", ", ".join(binds or []), " (token required)" if token else "")
