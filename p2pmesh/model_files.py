@@ -25,6 +25,7 @@ INDEX_FILE = "model.safetensors.index.json"
 METADATA_PATTERNS = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja"]
 """What is fetched besides weight files (mlx-lm's own list): config, index, tokenizer."""
 INDEX_BYTES_MAX = 64 * 1024 * 1024
+CONFIG_BYTES_MAX = 1024 * 1024
 
 
 class ModelFilesError(Exception):
@@ -75,20 +76,13 @@ def fetch_layers(repo_id: str, layers: tuple[int, int] | None, revision: str | N
     wm = weight_map(local)
     files = None
     if layers is not None and wm is not None:
-        config = read_json(local / "config.json")
-        if not isinstance(config, dict):
-            raise ModelFilesError(f"{local / 'config.json'} is not a JSON object")
-        files = files_for_layers(config, wm, layers[0], layers[1])
+        files = files_for_layers(read_config(local), wm, layers[0], layers[1])
     return fetch_weights(repo_id, files, revision)
 
 
 def fetch_for_measure(repo_id: str, revision: str | None = None) -> Path:
     """The local snapshot with the weight file(s) of the layer a measurement times."""
-    config = read_json(fetch_metadata(repo_id, revision) / "config.json")
-    if not isinstance(config, dict):
-        raise ModelFilesError(f"config.json of {repo_id} is not a JSON object")
-    index = measured_layer(num_layers(config))
-    return fetch_layers(repo_id, (index, index + 1), revision)
+    return fetch_layers(repo_id, measured_layers(read_config(fetch_metadata(repo_id, revision))), revision)
 
 
 def read_json(path: Path, limit: int = INDEX_BYTES_MAX) -> Any:
@@ -103,6 +97,14 @@ def read_json(path: Path, limit: int = INDEX_BYTES_MAX) -> Any:
         return json.loads(data)
     except ValueError as exc:
         raise ModelFilesError(f"{path} is not JSON: {exc}") from None
+
+
+def read_config(model_dir: Path, limit: int = CONFIG_BYTES_MAX) -> dict[str, Any]:
+    """config.json of a model directory, as a JSON object."""
+    config = read_json(model_dir / "config.json", limit)
+    if not isinstance(config, dict):
+        raise ModelFilesError(f"{model_dir / 'config.json'} is not a JSON object")
+    return config
 
 
 def weight_map(model_dir: Path) -> dict[str, str] | None:
@@ -132,6 +134,12 @@ def measured_layer(layers: int) -> int:
     """The layer a measurement times: a middle one when there are three or more, so neither
     the embeddings nor the head are read (worker/measure.py)."""
     return 1 if layers >= 3 else 0
+
+
+def measured_layers(config: Mapping[str, Any]) -> tuple[int, int]:
+    """The measured layer as a one-layer stage [i, i + 1): what a measurement loads."""
+    index = measured_layer(num_layers(config))
+    return index, index + 1
 
 
 def files_for_layers(config: Mapping[str, Any], wm: Mapping[str, str], start: int, end: int) -> list[str]:

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("p2pmesh.models")
 
-CONFIG_BYTES_MAX = 1024 * 1024
 MEASURE_TIMEOUT_S = 300.0
 """Timing one layer (the file it needs is fetched before, under FETCH_TIMEOUT_S)."""
 MEASURE_TRIES_MAX = 6
@@ -58,20 +57,10 @@ def resolve(name: str, *, allow_download: bool = True) -> Path:
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    f = path / "config.json"
     try:
-        data = f.read_bytes()
-    except OSError as exc:
-        raise ModelError(f"cannot read {f}: {exc.strerror}") from None
-    if len(data) > CONFIG_BYTES_MAX:
-        raise ModelError(f"{f} is too large to be a model config")
-    try:
-        config = json.loads(data)
-    except ValueError:
-        raise ModelError(f"{f} is not JSON") from None
-    if not isinstance(config, dict):
-        raise ModelError(f"{f} is not a JSON object")
-    return config
+        return model_files.read_config(path)
+    except model_files.ModelFilesError as exc:
+        raise ModelError(str(exc)) from None
 
 
 def describe(name: str, path: Path, context_tokens: int) -> ModelInfo:

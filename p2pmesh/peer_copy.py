@@ -83,16 +83,11 @@ def model_dir(name: str, root: Path | None, state_dir: Path) -> str:
 def _weights_for(directory: Path, layers: tuple[int, int] | None) -> list[str] | None:
     """The weight files layers [start, end) load (None: the measured layer), from the
     directory's config and index; None without an index (the one weight file, whatever its name)."""
-    config = model_files.read_json(directory / "config.json")
-    if not isinstance(config, dict):
-        raise model_files.ModelFilesError(f"{directory / 'config.json'} is not a JSON object")
+    config = model_files.read_config(directory)
     wm = model_files.weight_map(directory)
     if wm is None:
         return None
-    if layers is None:
-        index = model_files.measured_layer(model_files.num_layers(config))
-        layers = (index, index + 1)
-    return model_files.files_for_layers(config, wm, *layers)
+    return model_files.files_for_layers(config, wm, *(layers or model_files.measured_layers(config)))
 
 
 def has_layers(directory: Path, layers: tuple[int, int] | None) -> bool:

@@ -95,14 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="a local model directory or a Hugging Face id")
     parser.add_argument("--context", type=int, default=CONTEXT)
     args = parser.parse_args(argv)
-    from p2pmesh.model_files import ModelFilesError, measured_layer, num_layers
+    from p2pmesh.model_files import ModelFilesError, measured_layers, num_layers
     from p2pmesh.worker.checkpoint import CheckpointError, read_config
     from p2pmesh.worker.model import ModelError, resolve_model
 
     try:
         # A hub model: the metadata, then only the weight file(s) of the layer timed.
-        index = measured_layer(num_layers(read_config(resolve_model(args.model, metadata_only=True))))
-        path = resolve_model(args.model, layers=(index, index + 1))
+        path = resolve_model(args.model, layers=measured_layers(read_config(resolve_model(args.model, metadata_only=True))))
         try:
             sizes = model_sizes(args.model, path)
         except ModelFilesError:  # a partial copy of a local model: the agent needs only the timing
