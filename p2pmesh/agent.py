@@ -99,6 +99,8 @@ class AgentConfig:
     """Where relative model names are looked up (tests and the demo; default: as given)."""
     memory_limit_bytes: int | None = None
     """Offer at most this much memory to the cluster (a Mac someone also works on)."""
+    layer_ms: float | None = None
+    """Publish this time per layer instead of the measured one (the memory is still measured)."""
     http: http_api.HttpEndpoint | None = None
     """Where to serve the OpenAI-compatible HTTP API (docs/http.md); None: not served."""
 

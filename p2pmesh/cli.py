@@ -28,12 +28,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
+
+
+def _positive_ms(text: str) -> float:
+    """A time per layer in milliseconds: finite and above zero."""
+    from p2pmesh.core.validate import LAYER_MS_MAX
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
+    if not (math.isfinite(value) and 0 < value < LAYER_MS_MAX):
+        raise argparse.ArgumentTypeError(f"must be above 0 and below {LAYER_MS_MAX:g} ms, got {text}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--memory-limit", type=int, default=None, metavar="BYTES",
                        help="offer at most this much memory for model layers (default: what the Mac allows)")
+    agent.add_argument("--layer-ms", type=_positive_ms, default=None, metavar="MS",
+                       help="report this time per layer instead of the measured one (a Mac that is "
+                            "busy with other work while it measures, or whose timing you know)")
     agent.add_argument("--data-port", type=int, default=47000, help="first port of the data-plane workers")
     agent.add_argument("--model-root", type=Path, default=None, metavar="DIR",
                        help="look up model names that are relative paths here (a model only this Mac has is "
@@ -213,6 +230,7 @@ def _agent(args: argparse.Namespace) -> int:
         leave_on_exit=args.leave_on_exit,
         configure_links=args.configure_links,
         memory_limit_bytes=args.memory_limit,
+        layer_ms=args.layer_ms,
         data_port_base=args.data_port,
         model_root=args.model_root,
         http=http,

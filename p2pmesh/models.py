@@ -112,6 +112,8 @@ async def measure_loop(agent: Agent) -> None:
                 limit = agent.config.memory_limit_bytes
                 if limit is not None and measure.memory_bytes > limit:
                     measure = Measure(measure.model, limit, measure.layer_ms)
+                if agent.config.layer_ms is not None:
+                    measure = Measure(measure.model, measure.memory_bytes, agent.config.layer_ms)
             except ModelError as exc:
                 # A peer busy or briefly unreachable, a download that broke off: try again
                 # later (bounded), or this Mac never offers its memory for the model.

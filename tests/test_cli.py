@@ -113,6 +113,12 @@ def test_not_ready_and_bad_input_exit_codes(agent: AgentProc, tmp_path: Path) ->
     assert r.returncode == 2 and "--count" in r.stderr
 
 
+def test_agent_refuses_a_layer_time_that_is_no_time() -> None:
+    for bad in ("0", "-1", "nan", "inf", "1e9", "fast"):
+        r = cli("agent", "--layer-ms", bad)
+        assert r.returncode == 2 and "--layer-ms" in r.stderr, (bad, r.stderr)
+
+
 def test_load_generate_chat_and_watch(agent: AgentProc, model: Path) -> None:
     target = ("--state-dir", str(agent.state_dir))
     lines = [json.loads(line) for line in ok("load", str(model), "--context-tokens", "256", "--json", *target).splitlines()]

@@ -110,12 +110,14 @@ def command_problem(cmd: object) -> str | None:
         return f"a member has at most {ADDRESSES_MAX} addresses of at most 256 characters"
     if isinstance(cmd, PublishMeasure):
         m = cmd.measure
-        if m.memory_bytes < 0 or not (0 < m.layer_ms < 1e6):
-            return "a measurement needs memory >= 0 and a layer time in (0, 1e6) ms"
+        if m.memory_bytes < 0 or not (0 < m.layer_ms < LAYER_MS_MAX):
+            return f"a measurement needs memory >= 0 and a layer time in (0, {LAYER_MS_MAX:g}) ms"
     return None
 
 
 LAYERS_MAX = 4096
+LAYER_MS_MAX = 1e6
+"""A measured time per layer is below this (about 17 minutes: anything more is garbage)."""
 ADDRESSES_MAX = 32
 """Control-plane addresses a member publishes (one per interface and family)."""
 

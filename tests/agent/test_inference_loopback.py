@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def _layer_bytes(model: Path) -> int:
     return info.layer_bytes + info.kv_bytes_per_token_per_layer * CONTEXT, info.embed_bytes  # type: ignore[return-value]
 
 
-def _agents(tmp_path: Path, n: int, memory: list[int]) -> list[AgentProc]:
+def _agents(tmp_path: Path, n: int, memory: list[int], layer_ms: list[float] | None = None) -> list[AgentProc]:
     from p2pmesh.drivers.keys import write_key
 
     key = tmp_path / "key"
@@ -96,6 +97,8 @@ def _agents(tmp_path: Path, n: int, memory: list[int]) -> list[AgentProc]:
     out = []
     for i in range(n):
         extra = ["--no-mdns", "--memory-limit", str(memory[i]), "--data-port", str(data)]
+        if layer_ms is not None:
+            extra += ["--layer-ms", str(layer_ms[i])]
         a = AgentProc(tmp_path / f"m{i}", listens[i], peers=[x for x in listens if x != listens[i]], key_file=key, extra=extra)
         a.state_dir.mkdir()
         out.append(a)
@@ -208,7 +211,10 @@ def test_a_joining_mac_takes_the_layers_while_a_generation_runs(tmp_path: Path, 
     per_layer, extras = _layer_bytes(tiny_model)
     small = extras + per_layer * 4 + per_layer // 2
     big = extras + per_layer * (LAYERS + 2)
-    agents = _agents(tmp_path, 3, [small, small, big])
+    # Times per layer are given, not measured: on this machine a Mac that measures while the
+    # others generate is slowed by them (one CPU for all), and the planner rightly keeps the
+    # 2-stage plan when the newcomer looks no faster. Given times test the move itself.
+    agents = _agents(tmp_path, 3, [small, small, big], layer_ms=[5.0, 5.0, 1.0])
     try:
         for a in agents[:2]:
             a.start()
@@ -220,8 +226,6 @@ def test_a_joining_mac_takes_the_layers_while_a_generation_runs(tmp_path: Path, 
         # layers. Every request made meanwhile must finish with the right tokens.
         done = 0
         deadline = SERVE_TIMEOUT_S
-        import time
-
         start = time.monotonic()
         while time.monotonic() - start < deadline:
             tokens, last = _generate(agents[0], 60)
@@ -249,8 +253,6 @@ def test_a_stage_leaving_gracefully_hands_over_before_it_goes(tmp_path: Path, ti
         left = subprocess.Popen([sys.executable, "-m", "p2pmesh", "leave", "--state-dir", str(agents[leaving].state_dir)],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            import time
-
             start = time.monotonic()
             done = 0
             # Requests keep coming while the Mac drains: none may fail or differ.
