@@ -28,8 +28,9 @@ from typing import Any
 
 import trio
 
-from p2pmesh import fetch, http_api, link_tasks, models, peer_copy
+from p2pmesh import fetch, http_api, link_tasks, models, pairing, peer_copy
 from p2pmesh.core import validate, wire
+from p2pmesh.core.errors import LocalProtocolError
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.ids import ClusterId
 from p2pmesh.core.machine import (
@@ -146,6 +147,15 @@ class Agent:
         self.machine: Machine | None = None
         self.transport: Transport | None = None
         self.left = trio.Event()
+        self.new_key: bytes | None = None
+        """A cluster key pairing received (p2pmesh/pairing.py): the agent stops, forgets its
+        one-Mac cluster, installs the key and starts again (run_agent)."""
+        self.finished = trio.Event()
+        """Set when the core loop has ended: a completed leave, or a new key to start over with."""
+        self.restartable = False
+        """Whether whoever runs this agent starts it again after a new key (run_agent does)."""
+        self.discovery: Discovery | None = None
+        self.bound_port = 0
         self.control_active = 0
         self.started_ms = 0
         self.clients: dict[str, trio.MemorySendChannel[ClientEvent]] = {}
@@ -192,7 +202,7 @@ class Agent:
         for address in cfg.listen:
             host, port = _split(address)
             listeners += await trio.open_tcp_listeners(port, host=host or None)
-        bound_port = listeners[0].socket.getsockname()[1]
+        bound_port = self.bound_port = listeners[0].socket.getsockname()[1]
         fixed = cfg.advertise or tuple(
             f"{_split(a)[0]}:{l.socket.getsockname()[1]}" for a, l in zip(cfg.listen, listeners) if _split(a)[0] not in ("", "0.0.0.0", "::")
         )
@@ -211,8 +221,8 @@ class Agent:
                 nursery.start_soon(self.transport.dial_static, peer)
             if cfg.mdns:
                 me = Advert(self.identity.node_id, PROTOCOL_VERSION, cluster_fingerprint(self.cluster_key), caps.memory_bytes, caps.chip)
-                discovery = Discovery(DiscoveryConfig(me, bound_port, cfg.interfaces), self.inbox_send)
-                await nursery.start(discovery.run)
+                self.discovery = Discovery(DiscoveryConfig(me, bound_port, cfg.interfaces), self.inbox_send)
+                await nursery.start(self.discovery.run)
             # Boot the core only once discovery browses: its formation wait (who founds the
             # cluster) must count from when peers can be seen, not from process start.
             persisted = await trio.to_thread.run_sync(self.storage.load)
@@ -241,16 +251,40 @@ class Agent:
             await self._act(ready)
             task_status.started()
             await self._loop()
+            self.finished.set()
             # Let control requests that waited for the leave answer before we go.
             with trio.move_on_after(2.0):
                 while self.control_active:
                     await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
 
+    async def pair(self, request: dict[str, Any], emit: pairing.Emit, ask: pairing.Ask) -> dict[str, Any]:
+        """`p2pmesh pair` (docs/pairing.md): let a Mac in over a cable, or with ``join``,
+        get the key of the Mac at the other end of one."""
+        try:
+            return await pairing.pair(self, request, emit, ask)
+        except pairing.PairingError as exc:
+            return {"paired": False, "error": str(exc)}
+
+    def adopt_cluster_key(self, key: bytes) -> None:
+        """Start over in the cluster this key opens (pairing's guest side): the core loop
+        ends, and run_agent forgets this Mac's one-Mac cluster, installs the key and starts
+        the agent again. Only for an agent that run_agent restarts."""
+        if not self.restartable:
+            raise LocalProtocolError("this agent is embedded in a program and cannot restart itself with a new key; "
+                                     "pair with `p2pmesh agent` running, or install the key with `p2pmesh key set`")
+        if type(key) is not bytes or len(key) != keys.KEY_BYTES:
+            raise LocalProtocolError(f"a cluster key is {keys.KEY_BYTES} bytes")
+        self.new_key = key
+        try:
+            self.inbox_send.send_nowait(TimerFired())  # wake the loop now, not at its next deadline
+        except trio.WouldBlock:
+            pass  # a full inbox wakes it anyway
+
     async def _loop(self) -> None:
         machine = self.machine
         assert machine is not None
-        while not self.left.is_set():
+        while not self.left.is_set() and self.new_key is None:
             delay = max(0.0, (machine.next_deadline_ms() - self.now_ms()) / 1000)
             event: Input = TimerFired()
             with trio.move_on_after(delay):
@@ -536,15 +570,45 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+RESTARTS_MAX = 4
+"""New keys one process takes (pairing); more would mean something loops."""
+
+
 async def run_agent(config: AgentConfig) -> int:
-    """Run until SIGINT/SIGTERM (or a completed leave). Returns the exit code."""
-    agent = Agent(config)
+    """Run until SIGINT/SIGTERM (or a completed leave). Returns the exit code. After pairing
+    gave this Mac a cluster key, start over in that cluster: forget the one-Mac cluster
+    first (so a crash in between leaves a Mac that simply starts alone again, never one
+    with the new key and the old cluster), then install the key."""
+    for _ in range(RESTARTS_MAX):
+        agent = Agent(config)
+        agent.restartable = True
+        try:
+            signalled = await _run_once(agent, config)
+            key = agent.new_key
+            if key is None:
+                return 0
+            await trio.to_thread.run_sync(agent.storage.forget_cluster)
+            await trio.to_thread.run_sync(keys.write_key, config.state_dir / keys.KEY_FILE, key)
+        finally:
+            agent.storage.close()
+        if signalled:  # the user confirmed the key, then asked the agent to stop: keep both
+            return 0
+        log.info("installed the cluster key from pairing; starting again to join that cluster")
+    log.error("stopping: %d new cluster keys in one run", RESTARTS_MAX)
+    return 1
+
+
+async def _run_once(agent: Agent, config: AgentConfig) -> bool:
+    """Run one agent until its loop ends or a signal; returns whether a signal ended it."""
+    signalled = False
     async with trio.open_nursery() as nursery:
         await nursery.start(agent.run)
 
         async def watch_signals() -> None:
+            nonlocal signalled
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
+                    signalled = True
                     if config.leave_on_exit and not agent.left.is_set():
                         log.info("leaving the cluster before exit")
                         agent.request_leave()
@@ -554,13 +618,12 @@ async def run_agent(config: AgentConfig) -> int:
                     return
 
         nursery.start_soon(watch_signals)
-        await agent.left.wait()
+        await agent.finished.wait()
         with trio.move_on_after(2.5):
             while agent.control_active:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
-    agent.storage.close()
-    return 0
+    return signalled
 
 
 def configure_logging(level: str, fmt: str) -> None:

@@ -4,7 +4,7 @@ plain text in a pipe.
 
   p2pmesh agent [--state-dir DIR] [--listen HOST:PORT] [--interface NAME]... [--peer HOST:PORT]...
                 [--cluster-key-file FILE] [--advertise HOST:PORT]... [--leave-on-exit] [--http HOST:PORT]
-                [--memory-limit BYTES] [--model-root DIR] [--configure-links] [--log-level LEVEL] [--log-format text|json]
+                [--memory-limit BYTES] [--layer-ms MS] [--model-root DIR] [--configure-links] [--log-level LEVEL] [--log-format text|json]
   p2pmesh status | members [--state-dir DIR | --socket PATH] [--json]
   p2pmesh ring [--json | --mlx-hostfile | --jaccl]          (the committed ring, drawn with its cables)
   p2pmesh ring solve GRAPH.json [--json]                      (plan a cabling)
@@ -20,6 +20,7 @@ plain text in a pipe.
   p2pmesh local --nodes N [--model PATH] [--netns] [--json]   (N agents on this computer)
   p2pmesh service install | uninstall | status [--json]       (start the agent at login)
   p2pmesh key show | key set KEY [--state-dir DIR]
+  p2pmesh pair [--join] [--timeout S] [--yes-if-code CODE] [--json]   (a new Mac joins over a cable after a code check)
 
 Exit codes: 0 success; 1 the agent is not reachable, failed or refused; 2 bad usage or
 input; 3 the cluster is not ready (no quorum in time, no model loaded).
@@ -126,9 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     local_cmd.add_parser(sub)
     service_cmd.add_parser(sub)
 
-    from p2pmesh import model_cmd
+    from p2pmesh import model_cmd, pair_cmd
 
     model_cmd.add_parsers(sub, target)
+    pair_cmd.add_parser(sub, target)
 
     key = sub.add_parser("key", help="show or install the cluster key")
     key_sub = key.add_subparsers(dest="key_command", required=True)
@@ -156,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         from p2pmesh import model_cmd
 
         return model_cmd.run(args, _socket(args))
+    if args.command == "pair":
+        from p2pmesh import pair_cmd
+
+        return pair_cmd.run(args, _socket(args))
     if args.command == "local":
         from p2pmesh import local_cmd
 

@@ -113,6 +113,18 @@ def test_not_ready_and_bad_input_exit_codes(agent: AgentProc, tmp_path: Path) ->
     assert r.returncode == 2 and "--count" in r.stderr
 
 
+def test_pair_says_what_is_missing_and_refuses_bad_options(agent: AgentProc) -> None:
+    target = ("--state-dir", str(agent.state_dir))
+    r = cli("pair", "--timeout", "5", *target)
+    assert r.returncode == 1 and "no Thunderbolt cable" in r.stderr, r.stderr
+    r = cli("pair", "--join", "--timeout", "5", *target)  # its key comes from --cluster-key-file
+    assert r.returncode == 1 and "reads its key from" in r.stderr, r.stderr
+    r = cli("pair", "--timeout", "0", *target)
+    assert r.returncode == 2 and "--timeout" in r.stderr
+    r = cli("pair", "--yes-if-code", "12", *target)
+    assert r.returncode == 2 and "six digits" in r.stderr
+
+
 def test_agent_refuses_a_layer_time_that_is_no_time() -> None:
     for bad in ("0", "-1", "nan", "inf", "1e9", "fast"):
         r = cli("agent", "--layer-ms", bad)

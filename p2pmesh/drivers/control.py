@@ -2,7 +2,8 @@
 client API use to talk to the agent. One JSON request line in; one JSON response line out,
 or for a streaming op (``generate``) one JSON line per event until a line with
 ``"final": true``. Requests are bounded in size and time (a stream: in time between events).
-Ops: ``status``, ``model``, ``leave``, ``generate``, and for the chaos tool's history
+Ops: ``status``, ``model``, ``leave``, ``generate``, ``pair`` (a conversation: the
+user answers the code question on the same connection), and for the chaos tool's history
 (scripts/chaos.py) ``members`` (the committed membership, a linearizable ReadIndex read by
 default) and ``log`` (committed entries as index, term and digest, in bounded pages).
 """
@@ -12,7 +13,7 @@ import json
 import os
 import socket as stdsocket
 from pathlib import Path
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 import trio
@@ -39,6 +40,9 @@ class _Agent(Protocol):
     def committed_log(self, after: int, count_max: int) -> dict[str, Any]: ...
 
     def leave_outcome(self) -> dict[str, Any]: ...
+
+    async def pair(self, request: dict[str, Any], emit: Callable[[dict[str, Any]], Awaitable[None]],
+                   ask: Callable[[dict[str, Any]], Awaitable[bool]]) -> dict[str, Any]: ...
 
     left: trio.Event
     control_active: int
@@ -83,10 +87,13 @@ async def _handle(stream: trio.SocketStream, agent: _Agent, limiter: trio.Capaci
                     if not chunk or len(buf) + len(chunk) > REQUEST_BYTES_MAX:
                         return
                     buf += chunk
-            line = buf.split(b"\n", 1)[0]
+            line, rest = buf.split(b"\n", 1)
             op = _op_of(line)
             if op == "generate":
                 await _stream(stream, json.loads(line), agent)
+                return
+            if op == "pair":
+                await _pair(stream, rest, json.loads(line), agent)
                 return
             # Loading a model may first download it: that op gets hours; a leave waits as long
             # as its caller asked (a Mac holding layers drains first); the others seconds.
@@ -142,6 +149,37 @@ async def _stream(stream: trio.SocketStream, request: dict[str, Any], agent: _Ag
         await events.aclose()  # type: ignore[attr-defined]
 
 
+ANSWER_BYTES_MAX = 1024
+
+
+async def _pair(stream: trio.SocketStream, rest: bytes, request: dict[str, Any], agent: _Agent) -> None:
+    """A pairing (p2pmesh/pairing.py) is a conversation: progress events go out as lines,
+    and an event with a "question" waits for one answer line ``{"same_code": true}`` from
+    the user. Anything but a clear yes is a no. The pairing window bounds the whole."""
+    buf = rest
+
+    async def emit(event: dict[str, Any]) -> None:
+        await stream.send_all(json.dumps({"ok": True, **event}).encode() + b"\n")
+
+    async def ask(event: dict[str, Any]) -> bool:
+        nonlocal buf
+        await emit({**event, "question": "do both Macs show this code?"})
+        while b"\n" not in buf:
+            chunk = await stream.receive_some(256)
+            if not chunk or len(buf) + len(chunk) > ANSWER_BYTES_MAX:
+                return False  # the user's command went away: nothing is shared
+            buf += chunk
+        line, buf = buf.split(b"\n", 1)
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            return False
+        return isinstance(answer, dict) and answer.get("same_code") is True
+
+    result = await agent.pair(request, emit, ask)
+    await stream.send_all(json.dumps({"ok": True, **result, "final": True}).encode() + b"\n")
+
+
 async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:
     try:
         request = json.loads(line)
@@ -170,8 +208,10 @@ async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:
     return {"ok": False, "error": f"unknown op {op!r}"}
 
 
-def stream(path: Path, op: str, *, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S, **fields: Any) -> Iterator[dict[str, Any]]:
-    """Synchronous client for a streaming op: yields each event until the final one."""
+def stream(path: Path, op: str, *, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
+           reply: Callable[[dict[str, Any]], dict[str, Any]] | None = None, **fields: Any) -> Iterator[dict[str, Any]]:
+    """Synchronous client for a streaming op: yields each event until the final one. An
+    event with a "question" (pairing) is answered with ``reply(event)`` after it is yielded."""
     s = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
     s.settimeout(idle_timeout_s)
     try:
@@ -200,6 +240,11 @@ def stream(path: Path, op: str, *, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
             yield event
             if event.get("final"):
                 return
+            if reply is not None and event.get("question"):
+                try:
+                    s.sendall(json.dumps(reply(event)).encode() + b"\n")
+                except OSError:
+                    pass  # the agent already ended the conversation: its last line is still to read
     except OSError as exc:
         raise ControlError(f"the agent at {path} stopped answering: {exc}") from None
     finally:

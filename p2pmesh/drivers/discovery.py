@@ -22,6 +22,7 @@ from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange,
 
 from p2pmesh.core import advert
 from p2pmesh.core.errors import RemoteProtocolError
+from p2pmesh.core.ids import NodeId
 from p2pmesh.core.machine import Input, PeerDiscovered
 
 log = logging.getLogger("p2pmesh.discovery")
@@ -29,6 +30,7 @@ log = logging.getLogger("p2pmesh.discovery")
 POLL_S = 2.0
 RESOLVE_TIMEOUT_MS = 3000
 NAMES_QUEUE_LEN_MAX = 256
+STRANGERS_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,9 @@ class Discovery:
         self.config = config
         self.inbox = inbox
         self.refused: dict[str, str] = {}
+        self.strangers: dict[NodeId, tuple[str, ...]] = {}
+        """Agents seen with another cluster key (newest last, at most STRANGERS_MAX): the
+        Macs `p2pmesh pair --join` may ask for a key, if they are on a cable."""
         self.zc: Zeroconf | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -195,10 +200,15 @@ class Discovery:
             self._refuse(name, f"sent an unreadable advertisement ({exc})")
             return
         why = advert.compatible(peer, self.config.me.cluster_fingerprint)
+        addresses = tuple(_dial_address(a, info.port) for a in info.parsed_scoped_addresses())
+        if why and peer.protocol == self.config.me.protocol and addresses:
+            self.strangers.pop(peer.node_id, None)
+            self.strangers[peer.node_id] = addresses
+            while len(self.strangers) > STRANGERS_MAX:
+                del self.strangers[next(iter(self.strangers))]
         if why:
             self._refuse(name, why)
             return
-        addresses = tuple(_dial_address(a, info.port) for a in info.parsed_scoped_addresses())
         log.debug("discovered %s at %s", peer.node_id, ", ".join(addresses))
         if addresses:
             try:

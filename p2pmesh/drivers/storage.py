@@ -433,6 +433,21 @@ class Storage:
         self._chain = chain
         self._failed = False
 
+    def forget_cluster(self) -> None:
+        """Drop the whole cluster state (hard state, snapshot, log), durably, keeping the
+        node's identity: for a Mac that leaves its one-Mac cluster for another (pairing).
+        Afterwards load() returns None, as on a first start."""
+        self._check_usable()
+        self._failed = True  # as in save: a failed rewrite leaves the file unknown until a restart
+        write_atomically(self._wal_path, _FORMAT_RECORD)
+        fd = os.open(self._wal_path, os.O_RDWR)
+        os.close(self._wal_fd)
+        self._wal_fd = fd
+        self._state = _State()
+        self._size = self._base_size = len(_FORMAT_RECORD)
+        self._chain = _FORMAT_CHAIN
+        self._failed = False
+
     def load_identity_seed(self) -> bytes | None:
         """The node's Ed25519 seed, or None if none was saved yet."""
         self._check_usable()

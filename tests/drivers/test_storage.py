@@ -114,6 +114,21 @@ def test_an_empty_directory_loads_none(tmp_path: Path) -> None:
     assert stat.S_IMODE((tmp_path / "new" / "state").stat().st_mode) == 0o700
 
 
+def test_forgetting_the_cluster_keeps_the_identity_and_survives_a_reopen(tmp_path: Path) -> None:
+    readies = _hand_sequence()
+    with Storage.open(tmp_path) as st:
+        st.save_identity_seed(bytes(32))
+        for ready in readies[:5]:
+            st.save(ready)
+        st.forget_cluster()
+        assert st.load() is None
+        st.save(readies[0])  # and it goes on as a fresh node
+        assert st.load() is not None
+        st.forget_cluster()
+    with Storage.open(tmp_path) as st:
+        assert st.load() is None and st.load_identity_seed() == bytes(32)
+
+
 def test_hand_written_sequence_matches_simdisk(tmp_path: Path) -> None:
     readies = _hand_sequence()
     disk = _check_against_simdisk(tmp_path, readies, reopen_every=1)
