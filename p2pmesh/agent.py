@@ -265,6 +265,9 @@ class Agent:
             return await pairing.pair(self, request, emit, ask)
         except pairing.PairingError as exc:
             return {"paired": False, "error": str(exc)}
+        except Exception as exc:  # our bug: the user gets an answer, the agent keeps running
+            log.exception("pairing failed")
+            return {"paired": False, "error": f"pairing failed inside the agent: {exc!r}"}
 
     def adopt_cluster_key(self, key: bytes) -> None:
         """Start over in the cluster this key opens (pairing's guest side): the core loop

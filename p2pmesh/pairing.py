@@ -165,11 +165,9 @@ async def _host(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str, 
             try:
                 result = await _host_session(agent, stream, emit, ask)
                 done.set()
-            except RemoteProtocolError as exc:
-                log.warning("a pairing attempt failed: %s", exc)
-                await emit({"event": "attempt failed", "reason": str(exc)})
-            except trio.TooSlowError:
-                await emit({"event": "attempt failed", "reason": "the other Mac stopped answering"})
+            except BROKEN as exc:  # before any code was shown: keep listening
+                log.warning("a pairing attempt failed: %s", _why(exc))
+                await emit({"event": "attempt failed", "reason": _why(exc)})
             finally:
                 busy = False
 
@@ -187,27 +185,56 @@ async def _host_session(agent: Agent, stream: trio.SocketStream, emit: Emit, ask
     await send_frame(stream, host.on_commit(await receive_frame(stream)))
     host.on_reveal(await receive_frame(stream))
     assert host.derived is not None and host.peer is not None
+    try:
+        return await _host_after_code(host, stream, ask)
+    except BROKEN as exc:
+        # The code was shown: never ask about another one in this run (a stale "yes" typed
+        # for this code must not answer for the next).
+        return {"paired": False, "peer": host.peer, "error": f"the pairing broke off after the code was shown ({_why(exc)})"}
+
+
+async def _host_after_code(host: pairing.Host, stream: trio.SocketStream, ask: Ask) -> dict[str, Any]:
+    assert host.derived is not None
     answer: dict[str, bool] = {}
-
-    async def ask_user(cancel: trio.CancelScope) -> None:
-        answer["yes"] = await ask({"event": "code", "code": host.derived.code, "peer": host.peer})  # type: ignore[union-attr]
-        if not answer["yes"]:
-            await _send_quietly(stream, pairing.refuse())
-            cancel.cancel()  # no need to wait for the other Mac's answer
-
+    outcome: dict[str, Any] = {}
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(ask_user, nursery.cancel_scope)
+        async def ask_user() -> None:
+            answer["yes"] = await ask({"event": "code", "code": host.derived.code, "peer": host.peer})  # type: ignore[union-attr]
+            if not answer["yes"]:
+                await _send_quietly(stream, pairing.refuse())
+                nursery.cancel_scope.cancel()  # no need to wait for the other Mac's answer
+
+        nursery.start_soon(ask_user)
+        # The guest's confirm may come before or after this user answers. Errors are caught
+        # here, inside the nursery, so they leave it as a result, not an exception group.
         try:
-            # The guest's confirm may come before or after this user answers.
             host.on_confirm(await receive_frame(stream, timeout_s=WINDOW_S_MAX))
         except PairingRefused:
+            outcome = {"paired": False, "peer": host.peer, "error": "the user on the other Mac said the codes differ"}
             nursery.cancel_scope.cancel()
-            return {"paired": False, "peer": host.peer, "error": "the user on the other Mac said the codes differ"}
+        except BROKEN as exc:
+            outcome = {"paired": False, "peer": host.peer, "error": f"the pairing broke off after the code was shown ({_why(exc)})"}
+            nursery.cancel_scope.cancel()
+    if outcome:
+        return outcome
     if not answer.get("yes"):
         return {"paired": False, "peer": host.peer, "error": "you said the codes differ: nothing was shared"}
     await send_frame(stream, host.answer(True))
     log.info("gave the cluster key to %s after the user confirmed code %s", host.peer, host.derived.code)
     return {"paired": True, "peer": host.peer, "role": "host"}
+
+
+BROKEN = (RemoteProtocolError, PairingRefused, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+"""How a pairing connection ends early: the other Mac's fault, its user's no, silence, or
+the connection gone."""
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return "the other Mac stopped answering"
+    if isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, OSError)):
+        return "the connection broke"
+    return str(exc)
 
 
 async def _send_quietly(stream: trio.abc.Stream, data: bytes) -> None:
@@ -252,10 +279,8 @@ async def _guest(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str,
                 async with stream:
                     try:
                         return await _guest_session(agent, stream, emit, ask)
-                    except RemoteProtocolError as exc:
-                        await emit({"event": "attempt failed", "reason": str(exc)})
-                    except trio.TooSlowError:
-                        await emit({"event": "attempt failed", "reason": "the other Mac stopped answering"})
+                    except BROKEN as exc:  # before any code was shown: try the next
+                        await emit({"event": "attempt failed", "reason": _why(exc)})
         if not said_none and not strangers_on_cables(agent):
             said_none = True
             await emit({"event": "looking", "detail": "no Mac with another cluster key seen on a Thunderbolt cable yet"})
@@ -268,13 +293,15 @@ async def _guest_session(agent: Agent, stream: trio.SocketStream, emit: Emit, as
     await send_frame(stream, guest.on_offer(await receive_frame(stream)))
     assert guest.derived is not None
     yes = await ask({"event": "code", "code": guest.derived.code, "peer": guest.peer})
-    await send_frame(stream, guest.answer(yes))
-    if not yes:
-        return {"paired": False, "peer": guest.peer, "error": "you said the codes differ: nothing was installed"}
     try:
+        await send_frame(stream, guest.answer(yes))
+        if not yes:
+            return {"paired": False, "peer": guest.peer, "error": "you said the codes differ: nothing was installed"}
         key = guest.on_key(await receive_frame(stream, timeout_s=WINDOW_S_MAX))
     except PairingRefused:
         return {"paired": False, "peer": guest.peer, "error": "the user on the other Mac said the codes differ"}
+    except BROKEN as exc:  # the code was shown: end here rather than ask about another
+        return {"paired": False, "peer": guest.peer, "error": f"the pairing broke off after the code was shown ({_why(exc)})"}
     try:
         agent.adopt_cluster_key(key)
     except LocalProtocolError as exc:

@@ -155,29 +155,57 @@ ANSWER_BYTES_MAX = 1024
 async def _pair(stream: trio.SocketStream, rest: bytes, request: dict[str, Any], agent: _Agent) -> None:
     """A pairing (p2pmesh/pairing.py) is a conversation: progress events go out as lines,
     and an event with a "question" waits for one answer line ``{"same_code": true}`` from
-    the user. Anything but a clear yes is a no. The pairing window bounds the whole."""
-    buf = rest
+    the user. Anything but a clear yes is a no; a line that comes when nothing was asked is
+    dropped (it must never answer a later question). When the user's command goes away the
+    pairing stops at once (the host's port closes). The pairing window bounds the whole."""
+    answers_send, answers = trio.open_memory_channel[bytes](1)
+    asking = False
 
-    async def emit(event: dict[str, Any]) -> None:
-        await stream.send_all(json.dumps({"ok": True, **event}).encode() + b"\n")
+    async with trio.open_nursery() as nursery:
+        async def read_answers() -> None:
+            buf = rest
+            while True:
+                while b"\n" not in buf:
+                    try:
+                        chunk = await stream.receive_some(256)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        chunk = b""
+                    if not chunk or len(buf) + len(chunk) > ANSWER_BYTES_MAX:
+                        nursery.cancel_scope.cancel()  # the user's command went away
+                        return
+                    buf += chunk
+                line, buf = buf.split(b"\n", 1)
+                if asking:
+                    await answers_send.send(line)
 
-    async def ask(event: dict[str, Any]) -> bool:
-        nonlocal buf
-        await emit({**event, "question": "do both Macs show this code?"})
-        while b"\n" not in buf:
-            chunk = await stream.receive_some(256)
-            if not chunk or len(buf) + len(chunk) > ANSWER_BYTES_MAX:
-                return False  # the user's command went away: nothing is shared
-            buf += chunk
-        line, buf = buf.split(b"\n", 1)
-        try:
-            answer = json.loads(line)
-        except ValueError:
-            return False
-        return isinstance(answer, dict) and answer.get("same_code") is True
+        async def emit(event: dict[str, Any]) -> None:
+            try:
+                await stream.send_all(json.dumps({"ok": True, **event}).encode() + b"\n")
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                nursery.cancel_scope.cancel()
+                await trio.lowlevel.checkpoint()  # the cancellation lands here
 
-    result = await agent.pair(request, emit, ask)
-    await stream.send_all(json.dumps({"ok": True, **result, "final": True}).encode() + b"\n")
+        async def ask(event: dict[str, Any]) -> bool:
+            nonlocal asking
+            asking = True
+            try:
+                await emit({**event, "question": "do both Macs show this code?"})
+                line = await answers.receive()
+            finally:
+                asking = False
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                return False
+            return isinstance(answer, dict) and answer.get("same_code") is True
+
+        async def run() -> None:
+            result = await agent.pair(request, emit, ask)
+            await emit({**result, "final": True})
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(read_answers)
+        nursery.start_soon(run)
 
 
 async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:

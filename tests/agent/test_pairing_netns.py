@@ -70,6 +70,11 @@ def _finish(proc: subprocess.Popen[str]) -> tuple[int, list[dict[str, Any]]]:
     return proc.returncode, events
 
 
+def _port_open(bench: Bench, host: int, address: str, port: int) -> bool:
+    probe = f"import socket; socket.create_connection(({address!r}, {port}), timeout=2).close()"
+    return subprocess.run([*bench.exec_prefix(host), sys.executable, "-c", probe], capture_output=True, timeout=20).returncode == 0
+
+
 def _key(state_dir: Path) -> str:
     return (state_dir / "cluster.key").read_text().strip()
 
@@ -122,6 +127,14 @@ def test_a_new_mac_pairs_over_a_cable_after_both_users_confirm_the_code(tmp_path
         status = wait_for(lambda: one_cluster(agents, 2), FORM_TIMEOUT_S, "one cluster of both Macs")
         assert status["cluster_id"] == host_status["cluster_id"]  # the new Mac joined; the cluster kept its id
         assert agents[1].proc is not None and agents[1].proc.poll() is None  # restarted in-process, still running
+        # The host's pairing port is open only while its command runs.
+        waiting = _pair(agents[0].state_dir)
+        procs.append(waiting)
+        assert waiting.stdout is not None and json.loads(waiting.stdout.readline())["event"] == "waiting"
+        assert _port_open(bench, 1, "10.77.0.1", 7744)
+        waiting.kill()
+        waiting.wait(timeout=10)
+        wait_for(lambda: not _port_open(bench, 1, "10.77.0.1", 7744), 10, "the pairing port to close")
         # A Mac in a cluster of several is not offered as a new Mac.
         again = subprocess.run([sys.executable, "-m", "p2pmesh", "pair", "--join", "--state-dir", str(agents[1].state_dir)],
                                cwd=ROOT, capture_output=True, text=True, timeout=30)
