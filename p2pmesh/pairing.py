@@ -87,10 +87,26 @@ async def receive_frame(stream: trio.abc.Stream, timeout_s: float = STEP_TIMEOUT
     return body
 
 
-def cable_interfaces(agent: Agent) -> dict[str, tuple[str, ...]]:
-    """This Mac's Thunderbolt interfaces that are up, with their IPv4 networks (CIDR)."""
+async def cable_interfaces(agent: Agent) -> dict[str, tuple[str, ...]]:
+    """This Mac's Thunderbolt interfaces that are up, with their IPv4 networks (CIDR), and
+    any bridge over one (macOS's Thunderbolt Bridge holds the cable's addresses)."""
+    from p2pmesh.drivers.netconfig import NetconfigError, gather_bridges
+
     m = agent.machine
-    return {p.interface: tuple(p.ipv4) for p in (m.ports if m else ()) if p.kind == "thunderbolt" and p.up}
+    ports = {p.interface: tuple(p.ipv4) for p in (m.ports if m else ()) if p.kind == "thunderbolt" and p.up}
+    try:
+        bridges = await gather_bridges() if ports else {}
+    except NetconfigError as exc:
+        log.debug("cannot list bridges: %s", exc)
+        bridges = {}
+    return pairing.cable_links(ports, bridges, _ipv4_networks)
+
+
+def _ipv4_networks(interface: str) -> tuple[str, ...]:
+    import ifaddr
+
+    return tuple(f"{ip.ip}/{ip.network_prefix}" for adapter in ifaddr.get_adapters() if adapter.nice_name == interface
+                 for ip in adapter.ips if isinstance(ip.ip, str))
 
 
 def _interface_of_scope(scope: str) -> str | None:
@@ -107,11 +123,11 @@ def on_cable(address: str, cables: dict[str, tuple[str, ...]]) -> bool:
     return pairing.on_cable(address, cables, _interface_of_scope)
 
 
-def _listen_hosts(agent: Agent) -> list[str]:
+async def _listen_hosts(agent: Agent) -> list[str]:
     """Where the host listens: its cables' IPv4 addresses and IPv6 link-local addresses."""
     from p2pmesh.drivers.discovery import interface_addresses
 
-    cables = cable_interfaces(agent)
+    cables = await cable_interfaces(agent)
     hosts = [cidr.split("/")[0] for networks in cables.values() for cidr in networks]
     if cables:
         hosts += [a for a in interface_addresses(cables, include_loopback=False) if a.startswith("fe80")]
@@ -139,7 +155,7 @@ async def pair(agent: Agent, request: dict[str, Any], emit: Emit, ask: Ask) -> d
 
 
 async def _host(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str, Any]:
-    hosts = _listen_hosts(agent)
+    hosts = await _listen_hosts(agent)
     if not hosts:
         raise PairingError("no Thunderbolt cable with an address is connected to this Mac: pairing works over a direct cable")
     port = agent.bound_port + PAIR_PORT_OFFSET
@@ -244,8 +260,8 @@ async def _send_quietly(stream: trio.abc.Stream, data: bytes) -> None:
         pass  # the other end is gone: it learns nothing either way
 
 
-def strangers_on_cables(agent: Agent) -> list[Stranger]:
-    cables = cable_interfaces(agent)
+async def strangers_on_cables(agent: Agent) -> list[Stranger]:
+    cables = await cable_interfaces(agent)
     seen = agent.discovery.strangers if agent.discovery is not None else {}
     out = []
     for node_id, addresses in seen.items():
@@ -268,7 +284,7 @@ async def _guest(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str,
     await emit({"event": "waiting", "role": "guest", "window_s": window})
     said_none = False
     while True:  # bounded by the window (pair's move_on_after)
-        for stranger in strangers_on_cables(agent):
+        for stranger in await strangers_on_cables(agent):
             for address in stranger.addresses:
                 host, _, port = address.rpartition(":")
                 try:
@@ -281,7 +297,7 @@ async def _guest(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str,
                         return await _guest_session(agent, stream, emit, ask)
                     except BROKEN as exc:  # before any code was shown: try the next
                         await emit({"event": "attempt failed", "reason": _why(exc)})
-        if not said_none and not strangers_on_cables(agent):
+        if not said_none and not await strangers_on_cables(agent):
             said_none = True
             await emit({"event": "looking", "detail": "no Mac with another cluster key seen on a Thunderbolt cable yet"})
         await trio.sleep(DIAL_ROUND_S)

@@ -141,6 +141,18 @@ def _confirm_tag(derived: Derived) -> bytes:
     return hmac.new(derived.mac_key, b"guest confirms", hashlib.sha256).digest()
 
 
+def cable_links(ports: Mapping[str, tuple[str, ...]], bridges: Mapping[str, list[str]],
+                networks_of: Callable[[str], tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """The interfaces a cable's traffic arrives on (name -> IPv4 networks in CIDR): the
+    Thunderbolt ports themselves, and every bridge with one of them as a member (on macOS
+    the default Thunderbolt Bridge holds the cable's addresses, not the port)."""
+    out = dict(ports)
+    for bridge, members in bridges.items():
+        if set(members) & set(ports):
+            out[bridge] = networks_of(bridge)
+    return out
+
+
 def on_cable(address: str, cables: Mapping[str, tuple[str, ...]], interface_of_scope: Callable[[str], str | None]) -> bool:
     """Whether HOST:PORT (``[v6%scope]:port`` or ``v4:port``, as discovery writes them) is
     reached over one of these cables (interface name -> its IPv4 networks in CIDR): an IPv6

@@ -162,3 +162,12 @@ def test_another_version_and_oversized_messages_are_refused() -> None:
 def test_only_addresses_across_a_cable_count(address: str, expected: bool) -> None:
     cables = {"tb0": ("10.77.0.1/30",), "tb1": ("garbage",)}
     assert pairing.on_cable(address, cables, lambda scope: {"7": "tb0"}.get(scope, scope)) is expected
+
+
+def test_a_bridge_over_a_thunderbolt_port_counts_as_the_cable() -> None:
+    ports = {"en2": ("169.254.1.2/16",)}
+    bridges = {"bridge0": ["en2", "en3"], "bridge1": ["en0"]}
+    links = pairing.cable_links(ports, bridges, lambda name: {"bridge0": ("169.254.7.7/16",)}.get(name, ()))
+    assert links == {"en2": ("169.254.1.2/16",), "bridge0": ("169.254.7.7/16",)}
+    assert pairing.on_cable("[fe80::1%bridge0]:7741", links, lambda s: s)
+    assert not pairing.on_cable("[fe80::1%bridge1]:7741", links, lambda s: s)
