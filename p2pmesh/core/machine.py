@@ -371,6 +371,10 @@ class Machine:
         self._placement_checked_at: tuple[int, int] = (-1, -1)
         self.router = Router(node_id)
         self._ring_checked_at: tuple[int, int] = (-1, -1)
+        self._ring_settled: tuple[object, ...] | None = None
+        """The inputs of physical.negotiate (members, ring, hops) when it last found nothing
+        to propose: a pure function, so the same inputs need no new solve (most applied
+        entries change neither)."""
         """(term, applied index) at which the leader last compared the ring (solving is
         the costliest pure step, so it runs once per state change, not per input)."""
 
@@ -869,8 +873,13 @@ class Machine:
         if index is not None and index > r.applied and r.log.last_index >= index:
             return  # one ring change at a time: the next is computed from its result
         self._ring_checked_at = (r.term, r.applied)
+        inputs = (r.state.members, r.state.ring, r.state.ring_hops)
+        if inputs == self._ring_settled:
+            return
         proposal = physical.negotiate(r.state)
-        if proposal is not None and not self._propose_once(proposal, now_ms):
+        if proposal is None:
+            self._ring_settled = inputs
+        elif not self._propose_once(proposal, now_ms):
             self._ring_checked_at = (-1, -1)  # not accepted now (e.g. log full): retry
 
     def _negotiate_placement(self, now_ms: int) -> None:
