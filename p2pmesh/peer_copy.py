@@ -27,7 +27,7 @@ import trio
 
 from p2pmesh import model_files
 from p2pmesh.core.ids import NodeId
-from p2pmesh.drivers.files import FileCopyError, fetch_file, list_files
+from p2pmesh.drivers.files import FileCopyError, fetch_file, list_files, read_manifest, write_manifest
 
 if TYPE_CHECKING:
     from p2pmesh.agent import Agent
@@ -44,6 +44,8 @@ BUSY_WAIT_S = 0.2
 """A member busy sending to other Macs is asked again after 0.2 s, doubling up to 5 s: up to
 about a minute in all before this file counts as unavailable."""
 COPY_DIR = "models"
+Listing = dict[str, tuple[int, str | None]]
+"""A holder's files: name -> (size, SHA-256 hex if it knows it)."""
 
 
 def copy_dir(state_dir: Path, name: str) -> Path:
@@ -165,7 +167,7 @@ async def _copy_layers(agent: Agent, name: str, layers: tuple[int, int] | None) 
     if not peers:
         return None
     _, client_ctx = agent.credentials.contexts()
-    listings: list[tuple[NodeId, tuple[str, int], dict[str, int]]] = []
+    listings: list[tuple[NodeId, tuple[str, int], Listing]] = []
     for node, targets in peers:
         for target in targets:
             try:
@@ -194,26 +196,40 @@ async def _copy_layers(agent: Agent, name: str, layers: tuple[int, int] | None) 
     return dest
 
 
-async def _copy(dest: Path, name: str, files: list[str], listings: list[tuple[NodeId, tuple[str, int], dict[str, int]]],
+async def _copy(dest: Path, name: str, files: list[str], listings: list[tuple[NodeId, tuple[str, int], Listing]],
                 client_ctx: ssl.SSLContext) -> bool:
     """Copy each file that is not here yet, COPIES_CONCURRENT at a time, each from the members
     that list it (the i-th file asks the i-th holder first, so several Macs share the work;
-    one TLS stream is bounded by one core). True when every file is here."""
+    one TLS stream is bounded by one core). Each file is checked against the digest its
+    holder lists (drivers/files.py), and the verified digests go into this copy's manifest,
+    which this Mac lists in turn. True when every file is here."""
     failed: list[str] = []
     slots = trio.Semaphore(COPIES_CONCURRENT)
+    verified = await trio.to_thread.run_sync(read_manifest, dest)
+    manifest_lock = trio.Lock()
+
+    async def record(f: str, size: int, digest: str) -> None:
+        async with manifest_lock:
+            verified[f] = (size, digest)
+            try:
+                await trio.to_thread.run_sync(write_manifest, dest, dict(verified))
+            except OSError as exc:  # the copy is good; only its digest is not kept for others
+                log.warning("cannot record the digests of %s: %s", dest, exc)
 
     async def one(i: int, f: str) -> None:
-        holders = [(node, target, listed[f]) for node, target, listed in listings if f in listed]
+        holders = [(node, target, listed[f][0], listed[f][1]) for node, target, listed in listings if f in listed]
         if holders and (dest / f).is_file() and (dest / f).stat().st_size == holders[0][2]:
             return
         holders = holders[i % len(holders):] + holders[: i % len(holders)] if holders else []
         async with slots:
             for round_ in range(BUSY_ROUNDS_MAX):
                 busy = False
-                for node, target, size in holders:
+                for node, target, size, digest in holders:
                     started = trio.current_time()
                     try:
-                        await fetch_file(target[0], target[1], client_ctx, node, name, f, dest, size_expected=size)
+                        _, got = await fetch_file(target[0], target[1], client_ctx, node, name, f, dest,
+                                                  size_expected=size, digest_expected=digest)
+                        await record(f, size, got)
                     except FileCopyError as exc:
                         busy = busy or exc.reason == "busy"
                         log.log(logging.DEBUG if exc.reason == "busy" else logging.INFO,

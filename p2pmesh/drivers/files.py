@@ -8,8 +8,17 @@ It owns the file listener (``serve_files``), the client calls (``list_files``,
     client -> server  magic b"P2PF", version (1 byte), request length (2), then a msgpack
                       request: ["list", model] or ["get", model, file]
     server -> client  status (1 byte): 0 ok, 1 no such model or file here, 2 busy
-      list, ok:       length (4), then msgpack [[file, size], ...]
-      get, ok:        size (8), then exactly that many bytes of the file
+      list, ok:       length (4), then msgpack [[file, size, sha256 hex or ""], ...]
+      get, ok:        size (8), exactly that many bytes of the file, then the SHA-256 (32)
+                      of the bytes the server read from its disk for this answer
+
+Digests travel with the files (version 2). The server lists a file's digest when it knows
+one: the digest a copy was verified against (the copy directory's manifest, MANIFEST, that
+``fetch_file``'s caller keeps) or the one it computed the last time it sent the file (same
+path, size and modification time). The client hashes what it receives and keeps the file
+only if that matches both the server's trailer and the listed digest. So a file that rotted
+on a holder's disk since it was verified (or since it was first sent) is refused by the
+next Mac, which takes it from another holder, instead of being passed around the cluster.
 
 Only cluster members can connect, and the server proves its node id. What it serves is
 bounded: only the model the cluster has committed, from the directory this Mac resolves for
@@ -21,6 +30,7 @@ if that directory has a config.json; only files with the names a model's files h
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import logging
 import os
 import ssl
@@ -38,7 +48,7 @@ from p2pmesh.drivers.transport import HANDSHAKE_TIMEOUT_S
 log = logging.getLogger("p2pmesh.files")
 
 MAGIC = b"P2PF"
-VERSION = 1
+VERSION = 2
 SESSIONS_MAX = 4
 REQUEST_BYTES_MAX = 4096
 LISTING_FILES_MAX = 4096
@@ -57,6 +67,11 @@ SERVED_PATTERNS = [
 ]
 """The files a Hugging Face model directory holds that loading it needs: never whatever else
 lies beside them (a member may name any directory, so the names are what bound it)."""
+MANIFEST = ".p2pmesh-sha256.json"
+"""In a copy directory: {file: [size, sha256 hex]} for every file verified on its way in
+(hidden, so never served itself)."""
+MANIFEST_BYTES_MAX = 1 << 20
+DIGEST_BYTES = 32
 OK, MISSING, BUSY = 0, 1, 2
 _HEADER = struct.Struct(">4sBH")
 _STATUS = struct.Struct(">B")
@@ -69,7 +84,8 @@ Lookup = Callable[[str], Path | None]
 
 class FileCopyError(MeshError):
     """A copy from a peer failed; ``reason``: "missing" (the peer has not got it), "busy",
-    "refused", "timeout", "wrong_node", "protocol" (the peer broke the protocol)."""
+    "refused", "timeout", "wrong_node", "protocol" (the peer broke the protocol), "corrupt"
+    (what arrived is not what was listed: the holder's file is damaged)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
@@ -84,11 +100,76 @@ def servable(name: str) -> bool:
     )
 
 
-def _listing(directory: Path) -> list[tuple[str, int]]:
+def read_manifest(directory: Path) -> dict[str, tuple[int, str]]:
+    """A copy directory's verified digests (empty when there is none or it is unreadable:
+    the files are then listed without digests, never refused)."""
+    import json
+
+    try:
+        path = directory / MANIFEST
+        if path.stat().st_size > MANIFEST_BYTES_MAX:
+            return {}
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, tuple[int, str]] = {}
+    if isinstance(raw, dict):
+        for name, entry in raw.items():
+            if (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and _is_digest(entry[1])
+                    and servable(name)):
+                out[name] = (entry[0], entry[1])
+    return out
+
+
+def write_manifest(directory: Path, digests: dict[str, tuple[int, str]]) -> None:
+    """Replace the manifest atomically (blocking)."""
+    import json
+
+    from p2pmesh.drivers.storage import write_atomically
+
+    write_atomically(directory / MANIFEST, json.dumps({k: list(v) for k, v in sorted(digests.items())}).encode())
+
+
+def _is_digest(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 2 * DIGEST_BYTES and all(c in "0123456789abcdef" for c in value)
+
+
+class _Digests:
+    """The digests this server computed while sending, by (real path, size, mtime in ns): a
+    file replaced by the user gets a new key, one that rotted keeps the old digest."""
+
+    ENTRIES_MAX = 4096
+
+    def __init__(self) -> None:
+        self.known: dict[tuple[str, int, int], str] = {}
+
+    @staticmethod
+    def key(path: Path) -> tuple[str, int, int]:
+        st = path.stat()
+        return (str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+    def get(self, path: Path) -> str:
+        try:
+            return self.known.get(self.key(path), "")
+        except OSError:
+            return ""
+
+    def learn(self, key: tuple[str, int, int], digest: str) -> None:
+        if key in self.known:
+            return  # the first digest is the reference: a later, different one is damage
+        if len(self.known) >= self.ENTRIES_MAX:
+            del self.known[next(iter(self.known))]
+        self.known[key] = digest
+
+
+def _listing(directory: Path, digests: _Digests) -> list[tuple[str, int, str]]:
+    manifest = read_manifest(directory)
     out = []
     for entry in sorted(directory.iterdir()):
         if servable(entry.name) and entry.is_file():  # follows the hub cache's symlinks to blobs
-            out.append((entry.name, entry.stat().st_size))
+            size = entry.stat().st_size
+            verified = manifest.get(entry.name)
+            out.append((entry.name, size, verified[1] if verified and verified[0] == size else digests.get(entry)))
         if len(out) >= LISTING_FILES_MAX:
             break
     return out
@@ -112,14 +193,14 @@ async def _recv_exactly(stream: trio.abc.ReceiveStream, n: int) -> bytes:
 async def serve_files(listeners: list[trio.SocketListener], server_ctx: ssl.SSLContext, lookup: Lookup, *,
                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve model files on these listeners for ever."""
-    server = _Server(server_ctx, lookup, trio.CapacityLimiter(SESSIONS_MAX))
+    server = _Server(server_ctx, lookup, trio.CapacityLimiter(SESSIONS_MAX), _Digests())
     task_status.started()
     await trio.serve_listeners(server.session, listeners)
 
 
 class _Server:
-    def __init__(self, server_ctx: ssl.SSLContext, lookup: Lookup, slots: trio.CapacityLimiter) -> None:
-        self.server_ctx, self.lookup, self.slots = server_ctx, lookup, slots
+    def __init__(self, server_ctx: ssl.SSLContext, lookup: Lookup, slots: trio.CapacityLimiter, digests: _Digests) -> None:
+        self.server_ctx, self.lookup, self.slots, self.digests = server_ctx, lookup, slots, digests
 
     async def session(self, stream: trio.SocketStream) -> None:
         tls = trio.SSLStream(stream, self.server_ctx, server_side=True)
@@ -147,7 +228,7 @@ class _Server:
     async def _answer(self, tls: trio.SSLStream[trio.SocketStream], request: list[str], peer: str) -> None:
         directory = await trio.to_thread.run_sync(self.lookup, request[1])
         if request[0] == "list":
-            files = await trio.to_thread.run_sync(_listing, directory) if directory is not None else None
+            files = await trio.to_thread.run_sync(_listing, directory, self.digests) if directory is not None else None
             if files is None:
                 await tls.send_all(_STATUS.pack(MISSING))
                 return
@@ -164,16 +245,27 @@ class _Server:
             await tls.send_all(_STATUS.pack(MISSING))
             return
         with f:
+            key = await trio.to_thread.run_sync(self.digests.key, path)
             size = os.fstat(f.fileno()).st_size
             await tls.send_all(_STATUS.pack(OK) + _U64.pack(size))
             left = size
+            h = hashlib.sha256()
+
+            def read(n: int) -> bytes:
+                chunk = f.read(n)
+                h.update(chunk)  # in the same thread hop: hashlib releases the GIL
+                return chunk
+
             while left > 0:
-                chunk = await trio.to_thread.run_sync(f.read, min(CHUNK, left))
+                chunk = await trio.to_thread.run_sync(read, min(CHUNK, left))
                 if not chunk:
                     raise OSError(f"{path} shrank while being sent")
                 with trio.fail_after(IDLE_S):
                     await tls.send_all(chunk)
                 left -= len(chunk)
+            digest = h.digest()
+            await tls.send_all(digest)
+        self.digests.learn(key, digest.hex())
         log.info("sent %s of %s (%d bytes) to %s", name, request[1], size, peer)
 
 
@@ -228,8 +320,9 @@ def _translate(host: str, port: int, exc: BaseException) -> FileCopyError:
     return FileCopyError("refused", f"{host} port {port}: {exc!r}")
 
 
-async def list_files(host: str, port: int, client_ctx: ssl.SSLContext, expected: str, model: str) -> dict[str, int]:
-    """The model's files on that peer: name -> size."""
+async def list_files(host: str, port: int, client_ctx: ssl.SSLContext, expected: str,
+                     model: str) -> dict[str, tuple[int, str | None]]:
+    """The model's files on that peer: name -> (size, SHA-256 hex if the peer knows it)."""
     try:
         tls = await _session(host, port, client_ctx, expected, ["list", model])
         try:
@@ -245,19 +338,20 @@ async def list_files(host: str, port: int, client_ctx: ssl.SSLContext, expected:
         raise FileCopyError("protocol", f"{host} port {port}: listing is not msgpack ({exc.__class__.__name__})") from None
     if not isinstance(raw, list) or len(raw) > LISTING_FILES_MAX:
         raise FileCopyError("protocol", f"{host} port {port}: a listing that is not a list of files")
-    out: dict[str, int] = {}
+    out: dict[str, tuple[int, str | None]] = {}
     for item in raw:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and servable(item[0])
-                and type(item[1]) is int and 0 <= item[1] <= FILE_BYTES_MAX):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and servable(item[0])
+                and type(item[1]) is int and 0 <= item[1] <= FILE_BYTES_MAX and (item[2] == "" or _is_digest(item[2]))):
             raise FileCopyError("protocol", f"{host} port {port}: a listing entry {str(item)[:80]}")
-        out[item[0]] = item[1]
+        out[item[0]] = (item[1], item[2] or None)
     return out
 
 
 async def fetch_file(host: str, port: int, client_ctx: ssl.SSLContext, expected: str, model: str, name: str,
-                     dest_dir: Path, *, size_expected: int | None = None) -> int:
-    """Copy one file of the model from that peer into dest_dir (whole or not at all);
-    returns its size."""
+                     dest_dir: Path, *, size_expected: int | None = None, digest_expected: str | None = None) -> tuple[int, str]:
+    """Copy one file of the model from that peer into dest_dir (whole and as listed, or not
+    at all); returns its size and SHA-256 hex. FileCopyError "corrupt" when the bytes are not
+    the ones the server read or not the listed digest."""
     if not servable(name):
         raise ValueError(f"{name!r} is not a model file name")
     partial = dest_dir / f"{name}.partial"
@@ -268,6 +362,12 @@ async def fetch_file(host: str, port: int, client_ctx: ssl.SSLContext, expected:
             if size > FILE_BYTES_MAX or (size_expected is not None and size != size_expected):
                 raise RemoteProtocolError(f"{name} of {size} bytes (listed as {size_expected})")
             await trio.to_thread.run_sync(lambda: dest_dir.mkdir(parents=True, exist_ok=True))
+            h = hashlib.sha256()
+
+            def write(data: bytes) -> None:
+                h.update(data)
+                out.write(data)
+
             with open(partial, "wb") as out:
                 left = size
                 pending = bytearray()
@@ -280,12 +380,19 @@ async def fetch_file(host: str, port: int, client_ctx: ssl.SSLContext, expected:
                     left -= len(chunk)
                     if len(pending) >= WRITE_BYTES or left == 0:
                         # TLS hands over ~16 KiB records: write in large batches, one thread hop each.
-                        await trio.to_thread.run_sync(out.write, bytes(pending))
+                        await trio.to_thread.run_sync(write, bytes(pending))
                         pending.clear()
+                trailer = await _recv_exactly(tls, DIGEST_BYTES)
+                got = h.hexdigest()
+                if trailer.hex() != got:
+                    raise FileCopyError("corrupt", f"{name} from {expected}: the bytes that arrived are not the ones it read")
+                if digest_expected is not None and got != digest_expected:
+                    raise FileCopyError("corrupt", f"{name} on {expected} is not the file it was verified as "
+                                                   f"(SHA-256 {got[:16]}..., listed {digest_expected[:16]}...): its copy is damaged")
                 await trio.to_thread.run_sync(out.flush)
                 await trio.to_thread.run_sync(os.fsync, out.fileno())
             os.replace(partial, dest_dir / name)
-            return size
+            return size, got
         finally:
             await trio.aclose_forcefully(tls)
     except (FileCopyError, trio.TooSlowError, trio.BrokenResourceError, OSError, RemoteProtocolError, ValueError) as exc:

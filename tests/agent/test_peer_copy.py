@@ -8,6 +8,7 @@ stage. Each Mac copies only the files for what it loads: m2 (no stage) the metad
 shard of the layer it measures; m1 every shard; m0 nothing."""
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from p2pmesh import model_files
 from p2pmesh.drivers.control import request
+from p2pmesh.drivers.files import read_manifest
 from p2pmesh.peer_copy import copy_dir
 from tests.agent.harness import ROOT, AgentProc, free_port, make_model, one_cluster, wait_for
 from tests.agent.test_inference_loopback import _generate, _serving
@@ -83,8 +85,10 @@ def test_a_model_on_one_mac_is_copied_to_the_others_and_served(tmp_path: Path) -
             wait_for(lambda: {f.name for f in copied.glob("*.safetensors")} == needed, 30, f"m{i}'s copy")
             assert (copied / "config.json").is_file() and (copied / "tokenizer.json").is_file()
             assert not list(copied.glob("*.partial"))
+            verified = read_manifest(copied)  # what this copy lists to the next Mac
             for f in needed:
                 assert (copied / f).read_bytes() == (model / f).read_bytes()
+                assert verified[f] == ((model / f).stat().st_size, hashlib.sha256((model / f).read_bytes()).hexdigest())
         assert not (agents[0].state_dir / "models").exists()  # it has the model: it copies nothing
     finally:
         for a in agents:

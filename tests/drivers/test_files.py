@@ -3,6 +3,7 @@ node-id binding, outsiders refused, only model file names served (never another 
 the session limit, and a copy that breaks off leaves no file behind. Every wait is bounded."""
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from pathlib import Path
@@ -13,17 +14,24 @@ import trio
 
 from p2pmesh.drivers.files import (
     MAGIC,
+    MANIFEST,
     SESSIONS_MAX,
     VERSION,
     FileCopyError,
     fetch_file,
     list_files,
+    read_manifest,
     serve_files,
     servable,
+    write_manifest,
 )
 from tests.drivers.test_probe import OTHER_KEY, Member
 
 HEADER = struct.Struct(">4sBH")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _model(tmp_path: Path) -> Path:
@@ -58,9 +66,10 @@ async def test_a_member_lists_and_copies_a_model(tmp_path: Path) -> None:
             port = await _serve(nursery, server, lambda name: model if name == "tiny" else None)
             files = await list_files("127.0.0.1", port, client.client_ctx, server.node_id, "tiny")
             assert set(files) == {"config.json", "model-00001-of-00001.safetensors"}  # not notes.txt, not hidden
-            for name, size in files.items():
+            for name, (size, digest) in files.items():
+                assert digest is None  # never sent yet: the server knows no digest
                 assert await fetch_file("127.0.0.1", port, client.client_ctx, server.node_id, "tiny", name, dest,
-                                        size_expected=size) == size
+                                        size_expected=size) == (size, _sha256(model / name))
                 assert (dest / name).read_bytes() == (model / name).read_bytes()
             with pytest.raises(FileCopyError, match="missing"):
                 await list_files("127.0.0.1", port, client.client_ctx, server.node_id, "other")
@@ -70,6 +79,62 @@ async def test_a_member_lists_and_copies_a_model(tmp_path: Path) -> None:
                 await fetch_file("127.0.0.1", port, client.client_ctx, server.node_id, "tiny", "notes.txt", dest)
             nursery.cancel_scope.cancel()
     assert not list(dest.glob("*.partial"))
+
+
+WEIGHTS = "model-00001-of-00001.safetensors"
+
+
+@pytest.mark.trio
+async def test_a_file_that_rotted_after_it_was_first_sent_is_refused(tmp_path: Path) -> None:
+    """The first send teaches the server the file's digest; the same path, size and
+    modification time with other bytes (bit rot) is then refused by the next Mac."""
+    server, client = Member(), Member()
+    model = _model(tmp_path)
+    weights = model / WEIGHTS
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, server, lambda name: model)
+            await fetch_file("127.0.0.1", port, client.client_ctx, server.node_id, "tiny", WEIGHTS, tmp_path / "a")
+            size, digest = (await list_files("127.0.0.1", port, client.client_ctx, server.node_id, "tiny"))[WEIGHTS]
+            assert digest == _sha256(weights)
+            st = weights.stat()
+            with open(weights, "r+b") as f:  # one flipped bit, as a failing disk would
+                f.seek(12345)
+                byte = f.read(1)
+                f.seek(12345)
+                f.write(bytes([byte[0] ^ 0x10]))
+            os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+            with pytest.raises(FileCopyError, match="corrupt.*damaged"):
+                await fetch_file("127.0.0.1", port, client.client_ctx, server.node_id, "tiny", WEIGHTS, tmp_path / "b",
+                                 size_expected=size, digest_expected=digest)
+            nursery.cancel_scope.cancel()
+    assert not (tmp_path / "b" / WEIGHTS).exists() and not list((tmp_path / "b").glob("*.partial"))
+
+
+@pytest.mark.trio
+async def test_a_copy_lists_the_digests_it_was_verified_against(tmp_path: Path) -> None:
+    """A copy directory's manifest is what it lists; an entry for another size is ignored,
+    and a manifest that disagrees with the file makes the next copy refuse it."""
+    server, client = Member(), Member()
+    model = _model(tmp_path)
+    good = _sha256(model / "config.json")
+    write_manifest(model, {"config.json": ((model / "config.json").stat().st_size, good),
+                           WEIGHTS: ((model / WEIGHTS).stat().st_size, "0" * 64)})
+    assert read_manifest(model)["config.json"][1] == good
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, server, lambda name: model)
+            files = await list_files("127.0.0.1", port, client.client_ctx, server.node_id, "tiny")
+            assert MANIFEST not in files  # hidden: never served
+            assert files["config.json"][1] == good and files[WEIGHTS][1] == "0" * 64
+            assert (await fetch_file("127.0.0.1", port, client.client_ctx, server.node_id, "tiny", "config.json",
+                                     tmp_path / "c", digest_expected=good))[1] == good
+            with pytest.raises(FileCopyError, match="corrupt"):
+                await fetch_file("127.0.0.1", port, client.client_ctx, server.node_id, "tiny", WEIGHTS, tmp_path / "c",
+                                 digest_expected=files[WEIGHTS][1])
+            nursery.cancel_scope.cancel()
+    (model / MANIFEST).write_text("{not json")
+    assert read_manifest(model) == {}
 
 
 @pytest.mark.trio
