@@ -172,14 +172,19 @@ _PAYLOADS: list[bytes] = [
 
 @st.composite
 def _hostile_wal(draw: st.DrawFn) -> bytes:
+    """Records chained as the writer chains them (version 2), so the payloads reach the
+    parser; now and then one is left unchained, which its chain check must refuse."""
     out = [records.frame(Kind.FORMAT, records.encode_format(), end=True)] if draw(st.integers(0, 9)) else []
+    chain = records.header_digest(out[0]) if out else b""
     for _ in range(draw(st.integers(0, 10))):
         kind = draw(st.sampled_from(list(Kind)))
         payload = draw(st.one_of(st.sampled_from(_PAYLOADS), st.binary(max_size=40)))
         if draw(st.integers(0, 3)) == 0 and payload:
             cut = draw(st.integers(0, len(payload) - 1))
             payload = payload[:cut] + draw(st.binary(max_size=4)) + payload[cut + 1:]
-        out.append(records.frame(kind, payload, end=draw(st.booleans())))
+        record = records.frame(kind, payload, end=draw(st.booleans()), chain=b"" if draw(st.integers(0, 15)) == 0 else chain)
+        chain = records.header_digest(record)
+        out.append(record)
     return b"".join(out)
 
 
