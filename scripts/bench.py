@@ -430,7 +430,10 @@ def _pipeline(b: dict[str, Any], meta: dict[str, Any], all_rows: list[Row], note
             f"{meta['load_start'][0]:.2f} at the start of this run). Idle ranks also keep a core busy while they wait "
             "in `recv` (docs/inference.md); on Macs with 10+ cores this matters less. Earlier hand-runs of the same "
             "command gave 0.98x and a hop ratio of 1.92x on an otherwise idle machine, and 0.92x-1.03x and "
-            "12.7x-13.9x with two test suites running beside it.")
+            "12.7x-13.9x with two test suites running beside it. The raw TCP baseline is itself bimodal on this VM: "
+            "about 9 µs when both processes stay on a CPU, 90-100 µs when the echo side sleeps in `recv` and must be "
+            "woken (two hand runs of `scripts/bench.py --only pipeline` in a row: baselines 101 µs and 9 µs, hop 19 and "
+            "17 µs, ratios 0.18x and 1.89x). The MLX hop does not pay that wake-up, since its ring thread spins.")
     return [_cmd(r) + f" llama, float32, hidden {d['hidden']}, {d['layers']} layers, {d['params'] / 1e6:.0f} M parameters "
             f"(make_tiny_model.py); {d['tokens']} greedy tokens, best of {d['runs']}; real worker processes over "
             "MLX's ring backend on loopback.", "", *table(rows), ""]
