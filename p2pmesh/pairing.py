@@ -120,6 +120,7 @@ def _interface_of_scope(scope: str) -> str | None:
 
 
 def on_cable(address: str, cables: dict[str, tuple[str, ...]]) -> bool:
+    """core/pairing.on_cable with this machine's interface indexes."""
     return pairing.on_cable(address, cables, _interface_of_scope)
 
 
@@ -167,7 +168,16 @@ async def _host(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str, 
             log.warning("cannot listen for pairing on %s port %d: %s", host, port, exc)
     if not listeners:
         raise PairingError(f"cannot listen for pairing on port {port} of this Mac's cables")
-    await emit({"event": "waiting", "role": "host", "listening": [f"{h}:{port}" for h in hosts], "window_s": window})
+    try:
+        return await _host_listening(agent, listeners, [f"{h}:{port}" for h in hosts], window, emit, ask)
+    finally:
+        for listener in listeners:  # closed however the window ends: the port is open only meanwhile
+            await trio.aclose_forcefully(listener)
+
+
+async def _host_listening(agent: Agent, listeners: list[trio.SocketListener], where: list[str], window: float,
+                          emit: Emit, ask: Ask) -> dict[str, Any]:
+    await emit({"event": "waiting", "role": "host", "listening": where, "window_s": window})
     result: dict[str, Any] = {}
     done = trio.Event()
     busy = False
