@@ -14,7 +14,8 @@ It owns the file listener (``serve_files``), the client calls (``list_files``,
 
 Digests travel with the files (version 2). The server lists a file's digest when it knows
 one: the digest a copy was verified against (the copy directory's manifest, MANIFEST, that
-``fetch_file``'s caller keeps) or the one it computed the last time it sent the file (same
+``fetch_file``'s caller keeps), the SHA-256 Hugging Face published for a weight file of its
+cache (the blob's name), or the one it computed the first time it sent the file (same
 path, size and modification time). The client hashes what it receives and keeps the file
 only if that matches both the server's trailer and the listed digest. So a file that rotted
 on a holder's disk since it was verified (or since it was first sent) is refused by the
@@ -162,14 +163,28 @@ class _Digests:
         self.known[key] = digest
 
 
+def hub_digest(path: Path) -> str:
+    """The SHA-256 Hugging Face published for a file of its cache, or "": the hub cache keeps
+    a large (LFS) file as ``blobs/<its SHA-256>``, which the snapshot links to. Small files
+    are named by their git hash instead (40 characters) and give nothing."""
+    try:
+        blob = path.resolve()
+    except OSError:
+        return ""
+    return blob.name if blob != path.absolute() and blob.parent.name == "blobs" and _is_digest(blob.name) else ""
+
+
 def _listing(directory: Path, digests: _Digests) -> list[tuple[str, int, str]]:
+    """The servable files with their sizes and best-known digests: a copy's verified one
+    (its manifest), the hub's, or the one this server computed when it first sent the file."""
     manifest = read_manifest(directory)
     out = []
     for entry in sorted(directory.iterdir()):
         if servable(entry.name) and entry.is_file():  # follows the hub cache's symlinks to blobs
             size = entry.stat().st_size
             verified = manifest.get(entry.name)
-            out.append((entry.name, size, verified[1] if verified and verified[0] == size else digests.get(entry)))
+            digest = verified[1] if verified and verified[0] == size else hub_digest(entry) or digests.get(entry)
+            out.append((entry.name, size, digest))
         if len(out) >= LISTING_FILES_MAX:
             break
     return out

@@ -138,6 +138,33 @@ async def test_a_copy_lists_the_digests_it_was_verified_against(tmp_path: Path) 
 
 
 @pytest.mark.trio
+async def test_a_hub_cache_file_is_listed_with_the_hubs_digest_and_checked_against_it(tmp_path: Path) -> None:
+    """Hugging Face keeps a weight file as blobs/<SHA-256> linked from the snapshot: that
+    name is the reference, so a blob damaged since the download is refused at once."""
+    server, client = Member(), Member()
+    data = os.urandom(1 << 20)
+    digest = hashlib.sha256(data).hexdigest()
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (blobs / digest).write_bytes(data)
+    (blobs / ("a" * 40)).write_text('{"model_type": "llama"}')  # a small file: named by its git hash
+    (snapshot / WEIGHTS).symlink_to(blobs / digest)
+    (snapshot / "config.json").symlink_to(blobs / ("a" * 40))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, server, lambda name: snapshot)
+            files = await list_files("127.0.0.1", port, client.client_ctx, server.node_id, "tiny")
+            assert files[WEIGHTS] == (len(data), digest) and files["config.json"][1] is None
+            with open(blobs / digest, "r+b") as f:
+                f.write(bytes([data[0] ^ 0xFF]))  # damaged on disk since the download
+            with pytest.raises(FileCopyError, match="corrupt"):
+                await fetch_file("127.0.0.1", port, client.client_ctx, server.node_id, "tiny", WEIGHTS, tmp_path / "d",
+                                 digest_expected=files[WEIGHTS][1])
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
 async def test_a_raw_request_for_another_path_gets_nothing(tmp_path: Path) -> None:
     """The name check is the server's, not only the client's."""
     server, client = Member(), Member()
