@@ -40,7 +40,7 @@ def _digits(code: str) -> str:
 
 def run(args: argparse.Namespace, socket: Path | None) -> int:
     from p2pmesh.client import locate_socket
-    from p2pmesh.drivers.control import ControlError, request, stream
+    from p2pmesh.drivers.control import ControlError, stream
 
     if not 1 <= args.timeout <= pairing.WINDOW_S_MAX:
         print(f"p2pmesh: --timeout must be 1 to {pairing.WINDOW_S_MAX:.0f} seconds", file=sys.stderr)
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, socket: Path | None) -> int:
             print(f"p2pmesh: not paired: {final.get('error', 'the pairing ended')}", file=sys.stderr)
         return EXIT_FAILED
     if args.join:
-        return _wait_to_join(path, final, args.json, request, ControlError)
+        return _wait_to_join(path, final, args.json)
     return EXIT_OK
 
 
@@ -100,15 +100,17 @@ def _say(event: dict[str, Any]) -> None:
             print(f"Paired with Mac {str(event.get('peer'))[:8]}: the agent restarts into its cluster...", flush=True)
 
 
-def _wait_to_join(path: Path, final: dict[str, Any], as_json: bool, request: Any, error: type[Exception]) -> int:
+def _wait_to_join(path: Path, final: dict[str, Any], as_json: bool) -> int:
     """After the key arrived the agent restarts; wait (bounded) until it is in one cluster
     with the Mac that gave the key."""
+    from p2pmesh.drivers.control import ControlError, request
+
     peer = final.get("peer")
     deadline = time.monotonic() + JOIN_WAIT_S
     while time.monotonic() < deadline:
         try:
             status = request(path, "status", timeout_s=5.0)["status"]
-        except error:
+        except ControlError:
             status = {}
         if peer in {m.get("node_id") for m in status.get("members", [])}:
             members = len(status.get("members", []))

@@ -28,6 +28,7 @@ from p2pmesh.core import pairing
 from p2pmesh.core.errors import LocalProtocolError, RemoteProtocolError
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.pairing import PairingRefused
+from p2pmesh.drivers.streams import recv_exactly
 
 if TYPE_CHECKING:
     from p2pmesh.agent import Agent
@@ -68,23 +69,11 @@ async def send_frame(stream: trio.abc.Stream, data: bytes) -> None:
 
 async def receive_frame(stream: trio.abc.Stream, timeout_s: float = STEP_TIMEOUT_S) -> bytes:
     """One frame; RemoteProtocolError for an oversized one or a closed stream."""
-    buf = b""
     with trio.fail_after(timeout_s):
-        while len(buf) < 2:
-            chunk = await stream.receive_some(2 - len(buf))
-            if not chunk:
-                raise RemoteProtocolError("the other Mac closed the pairing connection")
-            buf += chunk
-        size = int.from_bytes(buf, "big")
+        size = int.from_bytes(await recv_exactly(stream, 2), "big")
         if size > pairing.MESSAGE_BYTES_MAX:
             raise RemoteProtocolError("the other Mac sent an oversized pairing frame")
-        body = b""
-        while len(body) < size:
-            chunk = await stream.receive_some(size - len(body))
-            if not chunk:
-                raise RemoteProtocolError("the other Mac closed the pairing connection")
-            body += chunk
-    return body
+        return await recv_exactly(stream, size)
 
 
 async def cable_interfaces(agent: Agent) -> dict[str, tuple[str, ...]]:
@@ -294,7 +283,8 @@ async def _guest(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str,
     await emit({"event": "waiting", "role": "guest", "window_s": window})
     said_none = False
     while True:  # bounded by the window (pair's move_on_after)
-        for stranger in await strangers_on_cables(agent):
+        strangers = await strangers_on_cables(agent)  # lists bridges: once a round
+        for stranger in strangers:
             for address in stranger.addresses:
                 host, _, port = address.rpartition(":")
                 try:
@@ -307,7 +297,7 @@ async def _guest(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str,
                         return await _guest_session(agent, stream, emit, ask)
                     except BROKEN as exc:  # before any code was shown: try the next
                         await emit({"event": "attempt failed", "reason": _why(exc)})
-        if not said_none and not await strangers_on_cables(agent):
+        if not said_none and not strangers:
             said_none = True
             await emit({"event": "looking", "detail": "no Mac with another cluster key seen on a Thunderbolt cable yet"})
         await trio.sleep(DIAL_ROUND_S)

@@ -12,12 +12,11 @@ import re
 from dataclasses import dataclass
 
 from p2pmesh.core.errors import RemoteProtocolError
-from p2pmesh.core.ids import NodeId
+from p2pmesh.core.ids import NodeId, is_node_id
 from p2pmesh.core.wire import PROTOCOL_VERSION
 
 SERVICE_TYPE = "_p2pmesh._tcp.local."
 TXT_VALUE_BYTES_MAX = 255
-_NODE_ID = re.compile(r"^[0-9a-f]{32}$")
 _FINGERPRINT = re.compile(r"^[0-9a-f]{16}$")
 
 
@@ -58,7 +57,7 @@ def parse_txt(properties: dict[bytes, bytes | None]) -> Advert:
         except UnicodeDecodeError:
             raise RemoteProtocolError(f"TXT entry {key!r} is not text") from None
     node_id = values.get("id", "")
-    if not _NODE_ID.match(node_id):
+    if not is_node_id(node_id):
         raise RemoteProtocolError("TXT record has no valid node id")
     fingerprint = values.get("cid", "")
     if not _FINGERPRINT.match(fingerprint):

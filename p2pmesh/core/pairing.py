@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from p2pmesh.core.errors import LocalProtocolError, MeshError, RemoteProtocolError
-from p2pmesh.core.ids import NodeId
+from p2pmesh.core.ids import NodeId, is_node_id
 
 PAIRING_VERSION = 1
 MESSAGE_BYTES_MAX = 1024
@@ -48,7 +48,6 @@ SECRET_BYTES = 32
 NONCE_BYTES = 16
 CLUSTER_KEY_BYTES = 32
 CODE_DIGITS = 6
-_NODE_ID_LEN = 32
 _DOMAIN = b"p2pmesh pairing v1"
 
 
@@ -113,7 +112,7 @@ def _bytes(message: dict[str, object], field: str, size: int) -> bytes:
 
 def _node(message: dict[str, object]) -> NodeId:
     value = message.get("node")
-    if not isinstance(value, str) or len(value) != _NODE_ID_LEN or any(c not in "0123456789abcdef" for c in value):
+    if not is_node_id(value):
         raise RemoteProtocolError("pairing field 'node' is not a node id")
     return NodeId(value)
 

@@ -43,6 +43,7 @@ import msgpack
 import trio
 
 from p2pmesh.core.errors import MeshError, RemoteProtocolError
+from p2pmesh.drivers.streams import recv_exactly
 from p2pmesh.drivers.tls import dial_member, peer_node_id
 from p2pmesh.drivers.transport import HANDSHAKE_TIMEOUT_S
 
@@ -190,17 +191,6 @@ def _listing(directory: Path, digests: _Digests) -> list[tuple[str, int, str]]:
     return out
 
 
-async def _recv_exactly(stream: trio.abc.ReceiveStream, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        with trio.fail_after(IDLE_S):
-            chunk = await stream.receive_some(n - len(buf))
-        if not chunk:
-            raise RemoteProtocolError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
 # ----------------------------------------------------------------------------------
 # Server
 
@@ -285,11 +275,11 @@ class _Server:
 
 
 async def _read_request(tls: trio.SSLStream[trio.SocketStream]) -> list[str]:
-    magic, version, length = _HEADER.unpack(await _recv_exactly(tls, _HEADER.size))
+    magic, version, length = _HEADER.unpack(await recv_exactly(tls, _HEADER.size, idle_s=IDLE_S))
     if magic != MAGIC or version != VERSION or length > REQUEST_BYTES_MAX:
         raise RemoteProtocolError(f"bad file request header (magic {magic!r}, version {version}, length {length})")
     try:
-        request = msgpack.unpackb(await _recv_exactly(tls, length), raw=False, max_str_len=REQUEST_BYTES_MAX)
+        request = msgpack.unpackb(await recv_exactly(tls, length, idle_s=IDLE_S), raw=False, max_str_len=REQUEST_BYTES_MAX)
     except Exception as exc:  # noqa: BLE001 - msgpack raises several types on garbage
         raise RemoteProtocolError(f"file request is not msgpack: {exc.__class__.__name__}") from None
     ok = isinstance(request, list) and all(isinstance(x, str) for x in request) and (
@@ -315,7 +305,7 @@ async def _session(host: str, port: int, client_ctx: ssl.SSLContext, expected: s
         except BaseException:
             await trio.aclose_forcefully(tls)
             raise
-    (status,) = _STATUS.unpack(await _recv_exactly(tls, 1))
+    (status,) = _STATUS.unpack(await recv_exactly(tls, 1, idle_s=IDLE_S))
     if status != OK:
         await trio.aclose_forcefully(tls)
         what = request[2] if len(request) > 2 else "its files"
@@ -341,10 +331,10 @@ async def list_files(host: str, port: int, client_ctx: ssl.SSLContext, expected:
     try:
         tls = await _session(host, port, client_ctx, expected, ["list", model])
         try:
-            (length,) = _U32.unpack(await _recv_exactly(tls, 4))
+            (length,) = _U32.unpack(await recv_exactly(tls, 4, idle_s=IDLE_S))
             if length > LISTING_BYTES_MAX:
                 raise RemoteProtocolError(f"a listing of {length} bytes")
-            raw = msgpack.unpackb(await _recv_exactly(tls, length), raw=False)
+            raw = msgpack.unpackb(await recv_exactly(tls, length, idle_s=IDLE_S), raw=False)
         finally:
             await trio.aclose_forcefully(tls)
     except (FileCopyError, trio.TooSlowError, trio.BrokenResourceError, OSError, RemoteProtocolError, ValueError) as exc:
@@ -373,7 +363,7 @@ async def fetch_file(host: str, port: int, client_ctx: ssl.SSLContext, expected:
     try:
         tls = await _session(host, port, client_ctx, expected, ["get", model, name])
         try:
-            (size,) = _U64.unpack(await _recv_exactly(tls, 8))
+            (size,) = _U64.unpack(await recv_exactly(tls, 8, idle_s=IDLE_S))
             if size > FILE_BYTES_MAX or (size_expected is not None and size != size_expected):
                 raise RemoteProtocolError(f"{name} of {size} bytes (listed as {size_expected})")
             await trio.to_thread.run_sync(lambda: dest_dir.mkdir(parents=True, exist_ok=True))
@@ -397,7 +387,7 @@ async def fetch_file(host: str, port: int, client_ctx: ssl.SSLContext, expected:
                         # TLS hands over ~16 KiB records: write in large batches, one thread hop each.
                         await trio.to_thread.run_sync(write, bytes(pending))
                         pending.clear()
-                trailer = await _recv_exactly(tls, DIGEST_BYTES)
+                trailer = await recv_exactly(tls, DIGEST_BYTES, idle_s=IDLE_S)
                 got = h.hexdigest()
                 if trailer.hex() != got:
                     raise FileCopyError("corrupt", f"{name} from {expected}: the bytes that arrived are not the ones it read")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import trio
 
 from p2pmesh.core.errors import MeshError, RemoteProtocolError
+from p2pmesh.drivers.streams import recv_exactly
 from p2pmesh.drivers.tls import dial_member, peer_node_id
 from p2pmesh.drivers.transport import HANDSHAKE_TIMEOUT_S
 
@@ -68,17 +69,6 @@ class ProbeError(MeshError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
-
-
-async def _recv_exactly(stream: trio.abc.ReceiveStream, n: int) -> bytes:
-    """Read exactly n (small) bytes; EOF before that is the peer's protocol violation."""
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await stream.receive_some(n - len(buf))
-        if not chunk:
-            raise RemoteProtocolError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
 
 
 # ----------------------------------------------------------------------------------
@@ -152,13 +142,13 @@ class _Server:
 
 
 async def _answer(tls: trio.SSLStream[trio.SocketStream]) -> None:
-    magic, version, pings, bulk = _HEADER.unpack(await _recv_exactly(tls, _HEADER.size))
+    magic, version, pings, bulk = _HEADER.unpack(await recv_exactly(tls, _HEADER.size))
     if magic != MAGIC or version != VERSION:
         raise RemoteProtocolError(f"bad probe header (magic {magic!r}, version {version})")
     if pings > PINGS_MAX or bulk > BULK_BYTES_MAX:
         raise RemoteProtocolError(f"probe asks for {pings} pings and {bulk} bytes, over the limits")
     for _ in range(pings):
-        await tls.send_all(await _recv_exactly(tls, _PING.size))
+        await tls.send_all(await recv_exactly(tls, _PING.size))
     left = bulk
     while left > 0:
         chunk = await tls.receive_some(min(left, _CHUNK))  # at most `left`: never read past the bulk
@@ -220,7 +210,7 @@ async def _measure(tls: trio.SSLStream[trio.SocketStream], pings: int, bulk_byte
     for seq in range(pings):
         start = trio.current_time()
         await tls.send_all(_PING.pack(seq))
-        if await _recv_exactly(tls, _PING.size) != _PING.pack(seq):
+        if await recv_exactly(tls, _PING.size) != _PING.pack(seq):
             raise RemoteProtocolError(f"ping {seq} echoed wrong")
         rtts.append(trio.current_time() - start)
     start = trio.current_time()
@@ -229,7 +219,7 @@ async def _measure(tls: trio.SSLStream[trio.SocketStream], pings: int, bulk_byte
         n = min(left, _CHUNK)
         await tls.send_all(_ZEROS[:n])
         left -= n
-    (acked,) = _ACK.unpack(await _recv_exactly(tls, _ACK.size))
+    (acked,) = _ACK.unpack(await recv_exactly(tls, _ACK.size))
     seconds = max(trio.current_time() - start, 1e-9)
     if acked != bulk_bytes:
         raise RemoteProtocolError(f"peer acknowledged {acked} of {bulk_bytes} bulk bytes")

@@ -29,42 +29,16 @@ _values = st.one_of(st.none(), st.booleans(), st.integers(-2, 2**64 - 1), st.bin
 _fields = st.sampled_from(["v", "t", "node", "commit", "pk", "nonce", "tag", "box", "x"])
 
 
-def _honest() -> tuple[Guest, Host, dict[str, bytes]]:
+def _ends() -> tuple[Guest, Host]:
+    """The two ends, with the same randomness every time (so the honest messages repeat)."""
     rng = random.Random(3)
     b = lambda n: bytes(rng.randrange(256) for _ in range(n))  # noqa: E731
-    guest = Guest(NodeId("a" * 32), b(32), b(16))
-    host = Host(NodeId("b" * 32), b(32), b(16), KEY, b(12))
-    msgs = {"commit": guest.hello()}
-    msgs["offer"] = host.on_commit(msgs["commit"])
-    msgs["reveal"] = guest.on_offer(msgs["offer"])
-    host.on_reveal(msgs["reveal"])
-    msgs["confirm"] = guest.answer(True)
-    host.on_confirm(msgs["confirm"])
-    msgs["key"] = host.answer(True)
-    return guest, host, msgs
-
-
-@st.composite
-def _inputs(draw: st.DrawFn) -> tuple[str, bytes]:
-    step = draw(st.sampled_from(STEPS))
-    if draw(st.integers(0, 3)) == 0:
-        return step, draw(st.binary(max_size=pairing.MESSAGE_BYTES_MAX + 16))
-    message: dict[Any, Any] = msgpack.unpackb(_honest()[2][step])
-    for _ in range(draw(st.integers(1, 3))):
-        field = draw(_fields)
-        if draw(st.booleans()):
-            message.pop(field, None)
-        else:
-            message[field] = draw(_values)
-    return step, msgpack.packb(message, use_bin_type=True)
+    return Guest(NodeId("a" * 32), b(32), b(16)), Host(NodeId("b" * 32), b(32), b(16), KEY, b(12))
 
 
 def _fresh_at(step: str) -> tuple[Guest, Host]:
     """An honest handshake stopped just before ``step`` is received."""
-    rng = random.Random(3)
-    b = lambda n: bytes(rng.randrange(256) for _ in range(n))  # noqa: E731
-    guest = Guest(NodeId("a" * 32), b(32), b(16))
-    host = Host(NodeId("b" * 32), b(32), b(16), KEY, b(12))
+    guest, host = _ends()
     if step == "commit":
         return guest, host
     offer = host.on_commit(guest.hello())
@@ -81,13 +55,44 @@ def _fresh_at(step: str) -> tuple[Guest, Host]:
     return guest, host
 
 
+def _honest() -> dict[str, bytes]:
+    """Every message of one honest handshake, by step."""
+    guest, host = _ends()
+    msgs = {"commit": guest.hello()}
+    msgs["offer"] = host.on_commit(msgs["commit"])
+    msgs["reveal"] = guest.on_offer(msgs["offer"])
+    host.on_reveal(msgs["reveal"])
+    msgs["confirm"] = guest.answer(True)
+    host.on_confirm(msgs["confirm"])
+    msgs["key"] = host.answer(True)
+    return msgs
+
+
+HONEST = _honest()
+
+
+@st.composite
+def _inputs(draw: st.DrawFn) -> tuple[str, bytes]:
+    step = draw(st.sampled_from(STEPS))
+    if draw(st.integers(0, 3)) == 0:
+        return step, draw(st.binary(max_size=pairing.MESSAGE_BYTES_MAX + 16))
+    message: dict[Any, Any] = msgpack.unpackb(HONEST[step])
+    for _ in range(draw(st.integers(1, 3))):
+        field = draw(_fields)
+        if draw(st.booleans()):
+            message.pop(field, None)
+        else:
+            message[field] = draw(_values)
+    return step, msgpack.packb(message, use_bin_type=True)
+
+
 @fuzz_settings(default=300)
 @given(_inputs())
 @example(("key", msgpack.packb({"v": 1, "t": "key", "box": b""})))
 @example(("offer", msgpack.packb({"v": 1, "t": "offer", "node": "b" * 32, "pk": bytes(32), "nonce": bytes(16)})))
 def test_a_pairing_message_is_taken_only_when_honest(data: tuple[str, bytes]) -> None:
     step, message = data
-    honest = _honest()[2][step]
+    honest = HONEST[step]
     guest, host = _fresh_at(step)
     receive = {"commit": host.on_commit, "offer": guest.on_offer, "reveal": host.on_reveal,
                "confirm": host.on_confirm, "key": guest.on_key}[step]
