@@ -1,10 +1,9 @@
-"""Bridge membership from real `ifconfig` captures (shared/fixtures/thunderbolt, see its
+"""Bridge membership from real `ifconfig` captures (tests/fixtures/thunderbolt, see its
 SOURCES.md) and the warning for a bridge that joins two ring cables."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 from p2pmesh.core.addressing import (
     bridge_warnings,
@@ -12,15 +11,13 @@ from p2pmesh.core.addressing import (
     parse_ifconfig_ipv4,
 )
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "thunderbolt"
-needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"fixture directory {FIXTURES} is missing")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "thunderbolt"
 
 
 def _text(name: str) -> str:
     return (FIXTURES / name).read_text(encoding="utf-8")
 
 
-@needs_fixtures
 def test_macmini_ifconfig_bridge0_three_members_space_indented() -> None:
     # `ifconfig bridge0` alone, tabs rendered as 8 spaces in the issue it came from.
     text = _text("ifconfig_bridge0_macmini_3_tb_members_mtu9000.txt")
@@ -28,7 +25,6 @@ def test_macmini_ifconfig_bridge0_three_members_space_indented() -> None:
     assert parse_ifconfig_ipv4(text) == {"bridge0": ("10.25.0.1/24",)}
 
 
-@needs_fixtures
 def test_intel_mbp_ifconfig_a_bridge0_four_members_and_bridge100() -> None:
     text = _text("ifconfig_intel_macbookpro_bridge0_4_tb_members.txt")
     assert parse_ifconfig_bridge_members(text) == {"bridge0": ["en1", "en2", "en3", "en4"], "bridge100": ["en10"]}
@@ -36,14 +32,12 @@ def test_intel_mbp_ifconfig_a_bridge0_four_members_and_bridge100() -> None:
     assert ipv4 == {"lo0": ("127.0.0.1/8",), "bridge100": ("192.168.64.1/24",)}
 
 
-@needs_fixtures
 def test_m1_mbp_ifconfig_a_bridge0_three_members() -> None:
     text = _text("ifconfig_macbookpro16_m1_2021_macos14_4_bridge0_3_tb_members_glpi.txt")
     assert parse_ifconfig_bridge_members(text) == {"bridge0": ["en1", "en2", "en3"]}
     assert parse_ifconfig_ipv4(text)["en0"] == ("192.168.2.46/24",)
 
 
-@needs_fixtures
 def test_two_ring_cables_in_thunderbolt_bridge_warn_with_a_manual_fix() -> None:
     bridges = parse_ifconfig_bridge_members(_text("ifconfig_bridge0_macmini_3_tb_members_mtu9000.txt"))
     [warning] = bridge_warnings(bridges, ["en3", "en2"])
@@ -54,7 +48,6 @@ def test_two_ring_cables_in_thunderbolt_bridge_warn_with_a_manual_fix() -> None:
     assert "p2pmesh changes nothing" in warning
 
 
-@needs_fixtures
 def test_one_ring_cable_in_a_bridge_or_none_does_not_warn_on_macos() -> None:
     bridges = parse_ifconfig_bridge_members(_text("ifconfig_intel_macbookpro_bridge0_4_tb_members.txt"))
     assert bridge_warnings(bridges, ["en2"]) == []

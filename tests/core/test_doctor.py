@@ -1,6 +1,6 @@
 """The pure half of `p2pmesh doctor` (p2pmesh/core/doctor.py) on real captures.
 
-macOS link checks read the captures in shared/fixtures/thunderbolt (SOURCES.md says where each
+macOS link checks read the captures in tests/fixtures/thunderbolt (SOURCES.md says where each
 came from); the outputs that folder lacks (socketfilterfw, rdma_ctl, vm_stat, sysctl,
 /proc/meminfo, iptables-save, nft) are small literals in the formats those tools print. Some
 tests pair captures of different Macs (a system_profiler of one with an ifconfig of another):
@@ -64,8 +64,7 @@ from p2pmesh.core.linux_links import bench_alias
 from p2pmesh.core.thunderbolt import CaptureError
 from p2pmesh.core.wire import PROTOCOL_VERSION
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "thunderbolt"
-needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"fixture directory {FIXTURES} is missing")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "thunderbolt"
 
 SP_A = "sp_macbookpro_m5max_A_anonymized_peer_sabrent_tb5_dock.json"  # port 2 (en6) -> a Mac at 80 Gb/s
 NS_M5 = "networksetup_macbookpro_m5max_anonymized.txt"  # captured with SP_A: Thunderbolt 2 = en6
@@ -151,7 +150,6 @@ def test_check_names_are_the_documented_ones() -> None:
 # thunderbolt (macOS)
 
 
-@needs_fixtures
 def test_a_mac_cabled_at_80_gbps_is_ok_and_every_port_is_described() -> None:
     c = check_thunderbolt(_mac())
     assert c.status == "ok", c
@@ -163,7 +161,6 @@ def test_a_mac_cabled_at_80_gbps_is_ok_and_every_port_is_described() -> None:
     )
 
 
-@needs_fixtures
 def test_no_mac_cabled_is_a_warning_that_says_to_cable_port_to_port() -> None:
     c = check_thunderbolt(_mac(SP_TB4_EMPTY, NS_M1))
     assert c.status == "warn"
@@ -171,7 +168,6 @@ def test_no_mac_cabled_is_a_warning_that_says_to_cable_port_to_port() -> None:
     assert c.fix is not None and "port to port" in c.fix and "dock" in c.fix
 
 
-@needs_fixtures
 def test_a_cabled_mac_without_an_interface_names_networksetup_detectnewhardware() -> None:
     ns = "Hardware Port: Wi-Fi\nDevice: en0\nEthernet Address: 02:00:00:00:00:05\n"
     c = check_thunderbolt(_mac(ns=ns))
@@ -180,7 +176,6 @@ def test_a_cabled_mac_without_an_interface_names_networksetup_detectnewhardware(
     assert c.fix is not None and "networksetup -detectnewhardware" in c.fix and "'Thunderbolt 2'" in c.fix
 
 
-@needs_fixtures
 def test_a_slow_mac_link_asks_for_a_thunderbolt_cable() -> None:
     doc = json.loads(_fixture(SP_A))
     for bus in doc["SPThunderboltDataType"]:
@@ -191,7 +186,6 @@ def test_a_slow_mac_link_asks_for_a_thunderbolt_cable() -> None:
     assert c.fix is not None and "Thunderbolt 4 or 5 cable" in c.fix
 
 
-@needs_fixtures
 def test_a_text_format_capture_is_a_failure_not_a_crash() -> None:
     c = check_thunderbolt(_mac(sp="sp_text_macmini_m4pro_nothing_connected.txt"))
     assert c.status == "fail" and "text format" in c.summary
@@ -244,20 +238,17 @@ def test_usable_interfaces_are_the_ports_that_are_up() -> None:
 # addresses
 
 
-@needs_fixtures
 def test_a_cable_with_its_own_address_is_ok() -> None:
     c = check_addresses(_mac())
     assert c.status == "ok" and c.details == ("en6: 169.254.7.1/30",)
 
 
-@needs_fixtures
 def test_a_cable_without_ipv4_points_at_links_plan() -> None:
     c = check_addresses(_mac(ifconfig=IFCONFIG_EN6.replace("\tinet 169.254.7.1 netmask 0xfffffffc broadcast 169.254.7.3\n", "")))
     assert c.status == "warn" and c.summary == "en6 (cabled to another host) has no IPv4 address"
     assert c.fix == ADDRESS_FIX and "p2pmesh links plan" in c.fix
 
 
-@needs_fixtures
 def test_a_bridged_cable_without_ipv4_points_at_the_bridge_check() -> None:
     c = check_addresses(_mac(ifconfig=IFCONFIG_EN6_BRIDGED))
     assert c.status == "warn"
@@ -279,7 +270,6 @@ def test_no_cable_means_no_address_to_check() -> None:
 # bridge
 
 
-@needs_fixtures
 def test_a_cabled_port_inside_thunderbolt_bridge_warns_with_the_settings_path_and_deletem() -> None:
     c = check_bridge(_mac(ifconfig=IFCONFIG_EN6_BRIDGED))
     assert c.status == "warn"
@@ -288,7 +278,6 @@ def test_a_cabled_port_inside_thunderbolt_bridge_warns_with_the_settings_path_an
     assert "System Settings > Network > Thunderbolt Bridge" in c.fix and "`sudo ifconfig bridge0 deletem en6`" in c.fix
 
 
-@needs_fixtures
 def test_the_default_thunderbolt_bridge_without_cables_is_ok_with_a_note() -> None:
     # The M1 MacBook Pro's real ifconfig (bridge0 = en1, en2, en3) and networksetup, with a
     # nothing-connected system_profiler of another 3-port Mac (receptacles 1-3 -> en1-en3).
@@ -321,20 +310,17 @@ def test_rdma_parsers() -> None:
     assert parse_rdma_ctl("usage: rdma_ctl enable|disable|status") is None
 
 
-@needs_fixtures
 def test_rdma_enabled_with_a_device_for_the_cabled_port_is_ok() -> None:
     c = check_rdma(_mac())
     assert c.status == "ok" and c.summary == "RDMA devices: rdma_en6"
 
 
-@needs_fixtures
 def test_rdma_disabled_says_how_to_enable_it_in_recovery() -> None:
     c = check_rdma(_mac(rdma_ctl=Output("RDMA is disabled\n")))
     assert c.status == "warn" and c.fix is not None
     assert "Recovery" in c.fix and "`rdma_ctl enable`" in c.fix
 
 
-@needs_fixtures
 def test_rdma_without_devices_or_without_one_for_the_cable_warns() -> None:
     header = "    device                 node GUID\n    ------              ----------------\n"
     none = check_rdma(_mac(ibv=Output(header)))
@@ -343,7 +329,6 @@ def test_rdma_without_devices_or_without_one_for_the_cable_warns() -> None:
     assert other.status == "warn" and "en6 is cabled to a Mac but has no RDMA device (rdma_en6)" in other.summary
 
 
-@needs_fixtures
 def test_rdma_is_skipped_where_it_cannot_exist() -> None:
     old = check_rdma(_mac(version="15.6.1"))
     assert old.status == "skip" and "macOS 26.2" in old.summary and "15.6.1" in old.summary

@@ -3,7 +3,7 @@ macOS assembly (ifconfig, ibv_devices, system_profiler + networksetup).
 
 The Linux snapshots follow the kernel's layout (drivers/thunderbolt: XDomain "N-R" under the
 host router "N-0" in "domainN", thunderbolt-net bound to the service "N-R.S"); the macOS
-tests use the real captures in shared/fixtures/thunderbolt (see SOURCES.md there). The
+tests use the real captures in tests/fixtures/thunderbolt (see SOURCES.md there). The
 hostile-input tests pin that only CaptureError ever escapes.
 """
 from __future__ import annotations
@@ -28,8 +28,7 @@ from p2pmesh.core.linux_links import (
 from p2pmesh.core.messages import PortInfo
 from p2pmesh.core.thunderbolt import CaptureError
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "thunderbolt"
-needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"fixture directory {FIXTURES} is missing")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "thunderbolt"
 
 HOST0 = "d1b3a4c0-1f2e-4d5c-8b7a-0123456789ab"  # our router in domain0 (kernel prints lower case)
 HOST1 = "e2c4b5d1-2a3b-4c5d-9e8f-112233445566"  # our router in domain1
@@ -422,7 +421,6 @@ def _fixture(name: str) -> str:
     return (FIXTURES / name).read_text(encoding="utf-8")
 
 
-@needs_fixtures
 def test_every_ifconfig_fixture_parses() -> None:
     files = sorted(FIXTURES.glob("ifconfig_*.txt"))
     assert len(files) >= 3
@@ -432,13 +430,11 @@ def test_every_ifconfig_fixture_parses() -> None:
         assert all(e.status in (None, "active", "inactive") for e in entries.values()), f.name
 
 
-@needs_fixtures
 def test_ifconfig_bridge0_mac_mini() -> None:
     (entry,) = parse_ifconfig(_fixture("ifconfig_bridge0_macmini_3_tb_members_mtu9000.txt")).values()
     assert (entry.name, entry.ipv4, entry.status, entry.media_gbps) == ("bridge0", ("10.25.0.1/24",), "active", None)
 
 
-@needs_fixtures
 def test_ifconfig_intel_macbook_pro() -> None:
     e = parse_ifconfig(_fixture("ifconfig_intel_macbookpro_bridge0_4_tb_members.txt"))
     assert set(e) >= {"lo0", "en0", "en1", "en2", "en3", "en4", "bridge0", "bridge100", "en8", "utun1"}
@@ -451,7 +447,6 @@ def test_ifconfig_intel_macbook_pro() -> None:
     assert e["utun1"].ipv4 == ()  # IPv6 only
 
 
-@needs_fixtures
 def test_ifconfig_m1_macbook_pro() -> None:
     e = parse_ifconfig(_fixture("ifconfig_macbookpro16_m1_2021_macos14_4_bridge0_3_tb_members_glpi.txt"))
     assert (e["en0"].ipv4, e["en0"].status) == (("192.168.2.46/24",), "active")
@@ -540,7 +535,6 @@ SP_B = "sp_macbookpro_m5max_B_anonymized_peer_acasis_tb3_dock.json"
 NS_M5 = "networksetup_macbookpro_m5max_anonymized.txt"  # captured with SP_A/SP_B (osaurus)
 
 
-@needs_fixtures
 def test_macos_ports_on_the_osaurus_m5_max_captures() -> None:
     ports = {p.interface: p for p in macos_ports(_fixture(SP_A), _fixture(NS_M5), SYNTHETIC_IFCONFIG, "rdma_en6 0a0b\n")}
     # Thunderbolt 1/2/3 -> en1/en6/en2 (networksetup), Wi-Fi en0, "Ethernet Adapter (en3)";
@@ -557,7 +551,6 @@ def test_macos_ports_on_the_osaurus_m5_max_captures() -> None:
     assert ports["en3"] == PortInfo("en3", "ethernet", None, None, True, 10.0, (), False)
 
 
-@needs_fixtures
 def test_macos_ports_of_both_ends_pair_up() -> None:
     a = {p.interface: p for p in macos_ports(_fixture(SP_A), _fixture(NS_M5), SYNTHETIC_IFCONFIG, None)}
     b = {p.interface: p for p in macos_ports(_fixture(SP_B), _fixture(NS_M5), SYNTHETIC_IFCONFIG, None)}
@@ -566,7 +559,6 @@ def test_macos_ports_of_both_ends_pair_up() -> None:
     assert not any(p.rdma for p in a.values())  # no ibv_devices: no RDMA
 
 
-@needs_fixtures
 def test_macos_ports_with_an_ifconfig_lacking_the_interfaces() -> None:
     # ifconfig from another Mac (glpi M1): en6 is absent, so it has no address.
     ifc = _fixture("ifconfig_macbookpro16_m1_2021_macos14_4_bridge0_3_tb_members_glpi.txt")

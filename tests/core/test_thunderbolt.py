@@ -1,4 +1,4 @@
-"""Thunderbolt capture parsers against every real capture in shared/fixtures/thunderbolt.
+"""Thunderbolt capture parsers against every real capture in tests/fixtures/thunderbolt.
 
 Each expectation restates a fact from that folder's SOURCES.md (port count, which ports are
 connected, Mac peer vs dock, speeds, peer domain UUIDs); the hostile-input tests pin that only
@@ -25,8 +25,7 @@ from p2pmesh.core.thunderbolt import (
     to_json,
 )
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "thunderbolt"
-needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"fixture directory {FIXTURES} is missing")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "thunderbolt"
 
 JSON_KEYS = {"port", "interface", "domain_uuid", "peer_domain_uuid", "connected", "speed_gbps"}
 
@@ -50,7 +49,6 @@ def _connected(ports: dict[str, TbPort]) -> set[str]:
 # system_profiler -json, one test per capture
 
 
-@needs_fixtures
 def test_m5max_mbp_peer_macstudio() -> None:
     ports = _sp("sp_macbookpro_m5max_peer_macstudio_m3ultra.json")
     assert set(ports) == {"1", "2", "3"}
@@ -65,7 +63,6 @@ def test_m5max_mbp_peer_macstudio() -> None:
         assert ports[k].peer_kind is None and ports[k].peer_domain_uuid is None
 
 
-@needs_fixtures
 def test_m3ultra_studio_peer_mbp_and_envoy_ssd() -> None:
     ports = _sp("sp_macstudio_m3ultra_peer_macbookpro_m5max_envoy.json")
     assert set(ports) == {"1", "2", "3", "4", "5", "6"}
@@ -78,7 +75,6 @@ def test_m3ultra_studio_peer_mbp_and_envoy_ssd() -> None:
     assert ssd.peer_domain_uuid is None  # a drive is never a peer Mac
 
 
-@needs_fixtures
 def test_the_two_omlx_captures_point_at_each_other() -> None:
     mbp = _sp("sp_macbookpro_m5max_peer_macstudio_m3ultra.json")["1"]
     studio = _sp("sp_macstudio_m3ultra_peer_macbookpro_m5max_envoy.json")["2"]
@@ -86,7 +82,6 @@ def test_the_two_omlx_captures_point_at_each_other() -> None:
     assert studio.peer_domain_uuid == mbp.domain_uuid
 
 
-@needs_fixtures
 def test_macmini_peer_mbp_and_studio_display() -> None:
     ports = _sp("sp_macmini_m4pro_macos27_peer_macbookpro_studiodisplay.json")
     assert set(ports) == {"1", "2", "3"}
@@ -99,7 +94,6 @@ def test_macmini_peer_mbp_and_studio_display() -> None:
     assert ports["1"].peer_kind is None
 
 
-@needs_fixtures
 @pytest.mark.parametrize(
     "name",
     ["sp_macbookpro_m3pro_macos27_nothing_connected.json", "sp_macbookpro_macos26_6_nothing_connected_with_spusb.json"],
@@ -114,7 +108,6 @@ def test_nothing_connected_tb4(name: str) -> None:
     assert len({p.domain_uuid for p in ports.values()}) == 3
 
 
-@needs_fixtures
 def test_intel_tb2_two_receptacles_on_one_bus() -> None:
     ports = _sp("sp_intel_macbookpro_tb2_sequoia_tb_gigabit_adapter.json")
     assert set(ports) == {"1", "2"}
@@ -126,7 +119,6 @@ def test_intel_tb2_two_receptacles_on_one_bus() -> None:
     assert (ports["2"].max_speed_gbps, ports["2"].peer_kind) == (20.0, None)
 
 
-@needs_fixtures
 def test_tb4_lg_ultrafine_display() -> None:
     ports = _sp("sp_macbookpro_tb4_tahoe_lg_ultrafine.json")
     assert set(ports) == {"1", "2", "3"}  # the display's own downstream port is not ours
@@ -134,7 +126,6 @@ def test_tb4_lg_ultrafine_display() -> None:
     assert (ports["2"].peer_kind, ports["2"].peer_name, ports["2"].speed_gbps) == ("device", "UltraFine 4K", 40.0)
 
 
-@needs_fixtures
 def test_tb5_ugreen_dock() -> None:
     ports = _sp("sp_macbookpro_tb5_tahoe_ugreen_tb4_dock.json")
     assert set(ports) == {"1", "2", "3"}  # the dock's receptacle_2/3/4 are not ours
@@ -144,7 +135,6 @@ def test_tb5_ugreen_dock() -> None:
         "device", "Thunderbolt 4 Docking Station (8-in-1)", 40.0, None)
 
 
-@needs_fixtures
 def test_osaurus_pair_mac_peer_and_docks() -> None:
     a = _sp("sp_macbookpro_m5max_A_anonymized_peer_sabrent_tb5_dock.json")
     b = _sp("sp_macbookpro_m5max_B_anonymized_peer_acasis_tb3_dock.json")
@@ -160,7 +150,6 @@ def test_osaurus_pair_mac_peer_and_docks() -> None:
     assert (b["3"].peer_name, b["3"].speed_gbps) == ("TBU405Pro", 40.0)
 
 
-@needs_fixtures
 def test_pyrepr_studio_direct_mac_and_mac_behind_dock() -> None:
     ports = _sp("sp_macstudio_m3ultra_trimmed_pyrepr_peer_direct_and_via_thunderbay_dock.txt")
     assert set(ports) == {"1", "2", "3", "4", "5", "6"}
@@ -173,7 +162,6 @@ def test_pyrepr_studio_direct_mac_and_mac_behind_dock() -> None:
     assert all(p.domain_uuid is None and p.peer_domain_uuid is None for p in ports.values())
 
 
-@needs_fixtures
 def test_pyrepr_mbp_two_cables_to_the_same_studio() -> None:
     ports = _sp("sp_macbookpro_m4max_trimmed_pyrepr_two_links_to_macstudio.txt")
     assert set(ports) == {"1", "2", "3"}
@@ -182,8 +170,7 @@ def test_pyrepr_mbp_two_cables_to_the_same_studio() -> None:
     assert (ports["2"].speed_gbps, ports["3"].speed_gbps) == (80.0, 40.0)
 
 
-@needs_fixtures
-@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("sp_text_*")) if FIXTURES.is_dir() else [])
+@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("sp_text_*")))
 def test_text_format_is_refused_with_a_hint(name: str) -> None:
     with pytest.raises(CaptureError, match="text format.*-json"):
         parse_system_profiler(_text(name))
@@ -197,7 +184,6 @@ def _tb_map(name: str) -> dict[str, str]:
     return {p.name: p.device for p in parse_networksetup(_text(name)) if p.name.startswith("Thunderbolt")}
 
 
-@needs_fixtures
 def test_networksetup_m5max_verbatim_non_sequential_and_dock_nics() -> None:
     tb = _tb_map("networksetup_macbookpro_m5max_macos26_5_tb_dock_nic_usb_lan.txt")
     assert tb == {
@@ -213,7 +199,6 @@ def test_networksetup_m5max_verbatim_non_sequential_and_dock_nics() -> None:
     assert len(ports) == 9
 
 
-@needs_fixtures
 def test_networksetup_m5max_anonymized() -> None:
     ports = parse_networksetup(_text("networksetup_macbookpro_m5max_anonymized.txt"))
     assert {p.name: p.device for p in ports} == {
@@ -223,7 +208,6 @@ def test_networksetup_m5max_anonymized() -> None:
     assert all(p.mac is not None and p.mac.startswith("02:00:00:00:00:0") for p in ports)
 
 
-@needs_fixtures
 def test_networksetup_studio_trimmed_six_tb_no_bridge_no_macs() -> None:
     ports = parse_networksetup(_text("networksetup_macstudio_m3ultra_trimmed_no_mac_addresses.txt"))
     assert _tb_map("networksetup_macstudio_m3ultra_trimmed_no_mac_addresses.txt") == {
@@ -232,7 +216,6 @@ def test_networksetup_studio_trimmed_six_tb_no_bridge_no_macs() -> None:
     assert len(ports) == 14
 
 
-@needs_fixtures
 def test_networksetup_m4max_trimmed() -> None:
     ports = parse_networksetup(_text("networksetup_macbookpro_m4max_trimmed_no_mac_addresses.txt"))
     assert _tb_map("networksetup_macbookpro_m4max_trimmed_no_mac_addresses.txt") == {
@@ -241,7 +224,6 @@ def test_networksetup_m4max_trimmed() -> None:
     assert HardwarePort("USB 10/100/1G/2.5G LAN", "en7", None) in ports
 
 
-@needs_fixtures
 @pytest.mark.parametrize(
     ("name", "expected", "count"),
     [
@@ -265,14 +247,12 @@ def test_networksetup_glpi_and_issue_captures(name: str, expected: dict[str, str
     assert all(p.mac is None or p.mac == p.mac.strip() for p in ports)  # trailing space dropped
 
 
-@needs_fixtures
 def test_networksetup_lenovo_dock_nic_and_anonymised_macs() -> None:
     ports = parse_networksetup(_text("networksetup_macbookpro_m1pro_2021_macos14_5_lenovo_dock_glpi.txt"))
     assert HardwarePort("ThinkPad Lan", "en8", "AA:AA:AA:AA:AA:DA") in ports
 
 
-@needs_fixtures
-@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("ifconfig_*")) if FIXTURES.is_dir() else [])
+@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("ifconfig_*")))
 def test_ifconfig_captures_are_not_mistaken_for_either_format(name: str) -> None:
     with pytest.raises(CaptureError):
         parse_networksetup(_text(name))
@@ -280,7 +260,6 @@ def test_ifconfig_captures_are_not_mistaken_for_either_format(name: str) -> None
         parse_system_profiler(_text(name))
 
 
-@needs_fixtures
 def test_every_fixture_file_is_covered() -> None:
     # A new capture dropped into the folder must get a test: fail loudly rather than skip it.
     covered_prefixes = ("sp_", "networksetup_", "ifconfig_")
@@ -299,7 +278,6 @@ def test_every_fixture_file_is_covered() -> None:
 # the join
 
 
-@needs_fixtures
 def test_local_ports_studio_joins_receptacle_n_to_thunderbolt_n() -> None:
     ports = local_ports(
         _text("sp_macstudio_m3ultra_trimmed_pyrepr_peer_direct_and_via_thunderbay_dock.txt"),
@@ -308,7 +286,6 @@ def test_local_ports_studio_joins_receptacle_n_to_thunderbolt_n() -> None:
     assert [(p.port, p.interface) for p in ports] == [(str(n), f"en{n + 1}") for n in range(1, 7)]
 
 
-@needs_fixtures
 def test_local_ports_osaurus_a_non_sequential_interfaces() -> None:
     ports = local_ports(
         _text("sp_macbookpro_m5max_A_anonymized_peer_sabrent_tb5_dock.json"),
@@ -322,7 +299,6 @@ def test_local_ports_osaurus_a_non_sequential_interfaces() -> None:
     assert json.loads(json.dumps(rows)) == rows
 
 
-@needs_fixtures
 def test_local_ports_without_networksetup_or_missing_entry() -> None:
     sp = _text("sp_macstudio_m3ultra_peer_macbookpro_m5max_envoy.json")
     assert all(p.interface is None for p in local_ports(sp, None))
@@ -439,7 +415,6 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["links", "parse", *argv])
 
 
-@needs_fixtures
 def test_links_parse_json(capsys: pytest.CaptureFixture[str]) -> None:
     args = _args("--system-profiler", str(FIXTURES / "sp_macbookpro_m5max_B_anonymized_peer_acasis_tb3_dock.json"),
                  "--networksetup", str(FIXTURES / "networksetup_macbookpro_m5max_anonymized.txt"), "--json")
@@ -451,7 +426,6 @@ def test_links_parse_json(capsys: pytest.CaptureFixture[str]) -> None:
                        "speed_gbps": 80.0}
 
 
-@needs_fixtures
 def test_links_parse_table(capsys: pytest.CaptureFixture[str]) -> None:
     args = _args("--system-profiler", str(FIXTURES / "sp_macbookpro_m5max_peer_macstudio_m3ultra.json"))
     assert links_cmd.run(args) == 0
