@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from p2pmesh.core.addressing import (
     bridge_warnings,
     parse_ifconfig_bridge_members,
