@@ -29,7 +29,7 @@ from typing import Any
 import trio
 
 from p2pmesh import fetch, http_api, link_tasks, models, pairing, peer_copy
-from p2pmesh.core import validate, wire
+from p2pmesh.core import fit, validate, wire
 from p2pmesh.core.errors import LocalProtocolError
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.ids import ClusterId
@@ -553,7 +553,20 @@ def placement_json(state: Any) -> dict[str, Any]:
     if state.placement_epoch > state.active_epoch:
         out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), "ready": list(state.ready),
                           "fetched": list(state.fetched)}
+    problem = _placement_problem(state)
+    if problem is not None:
+        out["problem"] = problem.to_json()
     return out
+
+
+_problem_memo: list[Any] = [None, None]
+
+
+def _placement_problem(state: Any) -> fit.PlacementProblem | None:
+    """core/fit.py's verdict, computed once per committed state (clients poll status)."""
+    if _problem_memo[0] is not state:
+        _problem_memo[:] = [state, fit.problem(state)]
+    return _problem_memo[1]  # type: ignore[no-any-return]
 
 
 def _port_json(p: PortInfo) -> dict[str, Any]:

@@ -42,7 +42,9 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 import trio
 
 from p2pmesh import chat_template
+from p2pmesh.core import fit
 from p2pmesh.core.errors import MeshError
+from p2pmesh.core.fit import PlacementProblem
 
 if TYPE_CHECKING:
     from p2pmesh.agent import Agent as _CoreAgent
@@ -91,6 +93,36 @@ class NoQuorum(P2PMeshError):
 
 class ModelNotLoaded(P2PMeshError):
     """The cluster serves no model (or not yet the one asked for). Load one first."""
+
+
+class ModelRefused(ModelNotLoaded):
+    """The cluster's verdict on the model (core/fit.py): it will not serve it as things
+    stand. ``code`` is machine-readable, ``problem`` has the numbers; the message says why."""
+
+    code = ""
+
+    def __init__(self, problem: PlacementProblem) -> None:
+        super().__init__(problem.message)
+        self.problem = problem
+
+
+class ModelDoesNotFit(ModelRefused):
+    """The members' memory cannot hold the model with its KV cache (the cluster's state: a
+    shorter context, another Mac or smaller weights). A Mac that joins and makes it fit
+    starts the placement by itself."""
+
+    code = fit.DOES_NOT_FIT
+
+
+class ModelCannotLoad(ModelRefused):
+    """No member can load the model at all (a family the workers do not run, a broken
+    checkpoint): the model's fault; the message has the members' own errors."""
+
+    code = fit.CANNOT_LOAD
+
+
+def _refused(problem: PlacementProblem) -> ModelRefused:
+    return (ModelCannotLoad if problem.code == fit.CANNOT_LOAD else ModelDoesNotFit)(problem)
 
 
 class BadRequest(P2PMeshError):
@@ -211,6 +243,8 @@ class Placement:
     serving: bool
     """True when an epoch is active and every member holding a stage is up."""
     pending: PendingPlacement | None = None
+    problem: PlacementProblem | None = None
+    """Why the model cannot be placed (it does not fit, no Mac can load it), else None."""
 
 
 @dataclass(frozen=True)
@@ -365,6 +399,7 @@ def _placement(d: Mapping[str, Any]) -> Placement:
         PendingPlacement(int(pending["epoch"]), _stages(pending.get("stages")), tuple(str(n) for n in pending.get("ready") or ()),
                          tuple(str(n) for n in pending.get("fetched") or ()))
         if pending else None,
+        PlacementProblem.from_json(d["problem"]) if d.get("problem") else None,
     )
 
 
@@ -511,8 +546,7 @@ def _load_progress(name: str, p: Placement | None, floor: int, same: bool) -> Lo
     if p.serving and p.stages and p.pending is None and (same or p.epoch > floor):
         n = len(p.stages)
         return LoadProgress(name, "serving", n, n, p.epoch, f"serving on {n} stage{'s' if n != 1 else ''} (epoch {p.epoch})")
-    return LoadProgress(name, "planning", detail="members are measuring the model; the leader plans a placement "
-                                                 "(it waits here while the members lack the memory for it)")
+    return LoadProgress(name, "planning", detail="members are measuring the model; the leader plans a placement")
 
 
 def _p_load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, quorum_timeout_s: float,
@@ -523,6 +557,7 @@ def _p_load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float
     before = yield from _p_healthy(min(timeout_s, quorum_timeout_s))
     same = before.placement is not None and before.placement.model == name
     floor = _newest_epoch(before.placement)
+    stale = before.placement.problem if before.placement is not None else None
     info = yield from _p_model_set(name, context_tokens, deadline)
     sent = yield _Clock()
     # Always report acceptance first: the next poll often finds the model committed already.
@@ -531,6 +566,15 @@ def _p_load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float
         on_progress(last)
     while True:
         st = yield from _p_status()
+        problem = st.placement.problem if st.placement is not None else None
+        if problem is not None and problem.model == name and problem.context_tokens == context_tokens:
+            now = yield _Clock()
+            # A verdict seen before our request stands once the cluster had time to take the
+            # request (a model set again is measured again where it could not be loaded).
+            if problem != stale or now - sent >= MODEL_RESEND_S:
+                raise _refused(problem)
+        else:
+            stale = None
         progress = _load_progress(name, st.placement, floor, same)
         if progress != last:
             last = progress
@@ -572,6 +616,8 @@ def _p_model_ready(quorum_timeout_s: float) -> _Plan[Status]:
     if st.placement is None or st.placement.model is None:
         raise ModelNotLoaded("the cluster serves no model yet: load one first (client.load(PATH_OR_HF_ID), "
                              "or `p2pmesh model set PATH_OR_HF_ID`)")
+    if st.placement.problem is not None:
+        raise _refused(st.placement.problem)
     return st
 
 
@@ -1404,11 +1450,15 @@ __all__ = [
     "LoadProgress",
     "LoadedModel",
     "Member",
+    "ModelCannotLoad",
+    "ModelDoesNotFit",
     "ModelNotLoaded",
+    "ModelRefused",
     "NoQuorum",
     "P2PMeshError",
     "PendingPlacement",
     "Placement",
+    "PlacementProblem",
     "Port",
     "Ring",
     "StageInfo",

@@ -560,6 +560,9 @@ def _serving_model(status: dict[str, Any]) -> str:
     name = placement.get("model")
     if name is None:
         raise ApiError(503, "no model is serving: choose one with `p2pmesh model set NAME`", code="no_model")
+    problem = placement.get("problem")
+    if problem and not placement.get("serving"):  # core/fit.py: retrying will not help until the cluster changes
+        raise ApiError(503, str(problem.get("message")), code=str(problem.get("code")))
     if not placement.get("serving"):
         raise ApiError(503, f"the model {name} is not serving yet (being placed or loaded, or a Mac holding a stage "
                             f"is down); retry shortly", code="model_not_serving", headers=(("retry-after", "2"),))

@@ -7,8 +7,9 @@ programs and the HTTP API see one truth and one set of errors):
   p2pmesh chat [MESSAGE] [--system TEXT] [...same sampling options] [--json]
   p2pmesh watch [--json] [--count N] [--interval S]                 (cluster events, live)
 
-Exit codes: 0 done; 1 the agent is not running, failed or refused; 2 bad usage or input;
-3 the cluster is not ready (no quorum in time, no model loaded, not serving in time).
+Exit codes: 0 done; 1 the agent is not running, failed or refused; 2 bad usage or input
+(a model no Mac can load, with their errors, included); 3 the cluster is not ready (no
+quorum in time, no model loaded, not serving in time, the model does not fit its memory).
 """
 from __future__ import annotations
 
@@ -88,8 +89,8 @@ def run(args: argparse.Namespace, address: Path | None) -> int:
 
 def _failed(exc: api.P2PMeshError) -> int:
     print(f"\np2pmesh: {exc}" if not isinstance(exc, api.AgentNotRunning) else f"p2pmesh: {exc}", file=sys.stderr)
-    if isinstance(exc, api.BadRequest):
-        return EXIT_USAGE
+    if isinstance(exc, (api.BadRequest, api.ModelCannotLoad)):
+        return EXIT_USAGE  # the model itself is unusable: the input's fault
     if isinstance(exc, (api.NoQuorum, api.ModelNotLoaded)):
         return EXIT_NOT_READY
     return EXIT_UNAVAILABLE

@@ -22,7 +22,8 @@ import trio
 from p2pmesh import model_files
 from p2pmesh.core.errors import MeshError
 from p2pmesh.core.machine import ModelMeasured
-from p2pmesh.core.messages import Measure, ModelInfo
+from p2pmesh.core.messages import Measure, MeasureFailed, ModelInfo
+from p2pmesh.core.validate import MEASURE_ERROR_CHARS_MAX
 
 if TYPE_CHECKING:
     from p2pmesh.agent import Agent
@@ -39,6 +40,11 @@ FETCH_TIMEOUT_S = 12 * 3600.0
 
 class ModelError(MeshError):
     """The model named by the user cannot be found or read (the user's to fix)."""
+
+
+class ModelUnloadable(ModelError):
+    """The measuring worker refused the model itself (a family it does not run, a broken
+    checkpoint: its exit status 2), so trying again here would fail the same way."""
 
 
 def resolve(name: str, *, allow_download: bool = True) -> Path:
@@ -105,7 +111,9 @@ async def measure_loop(agent: Agent) -> None:
     while True:  # for the agent's lifetime
         m = agent.machine
         model = m.raft.state.model if m and m.raft else None
-        if model is not None and model.name != measured and trio.current_time() >= retry_at \
+        # Said it cannot load this model: until the model is set again (machine.py drops it).
+        refused = m is not None and isinstance(m.measure, MeasureFailed) and model is not None and m.measure.model == model.name
+        if model is not None and model.name != measured and not refused and trio.current_time() >= retry_at \
                 and failures.get(model.name, 0) < MEASURE_TRIES_MAX:
             try:
                 measure = await _measure(agent, model.name)
@@ -114,6 +122,11 @@ async def measure_loop(agent: Agent) -> None:
                     measure = Measure(measure.model, limit, measure.layer_ms)
                 if agent.config.layer_ms is not None:
                     measure = Measure(measure.model, measure.memory_bytes, agent.config.layer_ms)
+            except ModelUnloadable as exc:
+                # The cluster hears it at once (core/fit.py): no waiting for retries.
+                retry_at = trio.current_time() + MEASURE_RETRY_S
+                log.warning("cannot load %s here: %s", model.name, exc)
+                await agent.inbox_send.send(ModelMeasured(MeasureFailed(model.name, str(exc)[-MEASURE_ERROR_CHARS_MAX:])))
             except ModelError as exc:
                 # A peer busy or briefly unreachable, a download that broke off: try again
                 # later (bounded), or this Mac never offers its memory for the model.
@@ -156,6 +169,10 @@ async def _measure(agent: Agent, name: str) -> Measure:
         result = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False)
     if scope.cancelled_caught:
         raise ModelError(f"measuring took more than {MEASURE_TIMEOUT_S:.0f} s")
+    lines = result.stderr.decode(errors="replace").strip().splitlines()
+    if result.returncode == 2 and lines and not lines[-1].startswith("measure: ModelUnavailable"):
+        # The worker's "the model is unusable" (worker/measure.py), not a hub out of reach.
+        raise ModelUnloadable(lines[-1].removeprefix("measure: "))
     if result.returncode != 0:
         raise ModelError(f"the measuring worker failed: {result.stderr.decode(errors='replace')[-500:]}")
     try:

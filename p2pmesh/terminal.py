@@ -103,6 +103,9 @@ def placement_text(placement: dict[str, Any] | None, me: str | None = None) -> T
     if pending:
         ready, total = len(set(pending.get("ready", []))), len(pending.get("stages", []))
         t.append(f"\n  loading epoch {pending['epoch']}: {ready} of {total} workers ready", style=SLOW_STYLE)
+    problem = placement.get("problem")
+    if problem:
+        t.append(f"\n  {problem.get('code')}: {problem.get('message')}", style=SLOW_STYLE)
     return t
 
 

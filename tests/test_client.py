@@ -53,10 +53,12 @@ PUBLIC_API = {
     "Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "LoadProgress",
     "LoadedModel", "GenerationResult", "Event", "EventKind", "fallback_chat_prompt",
     "P2PMeshError", "AgentNotRunning", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError",
+    "ModelRefused", "ModelDoesNotFit", "ModelCannotLoad", "PlacementProblem",
 }
 VALUES = {"Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "LoadProgress",
-          "LoadedModel", "GenerationResult", "Event"}
-ERRORS = {"AgentNotRunning", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError"}
+          "LoadedModel", "GenerationResult", "Event", "PlacementProblem"}
+ERRORS = {"AgentNotRunning", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "ModelRefused", "ModelDoesNotFit",
+          "ModelCannotLoad"}
 
 
 @dataclass

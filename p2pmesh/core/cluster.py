@@ -26,6 +26,7 @@ from p2pmesh.core.messages import (
     Noop,
     Peer,
     Promote,
+    MeasureFailed,
     PublishMeasure,
     PublishPorts,
     Put,
@@ -127,7 +128,10 @@ def _apply_dataplane(
     A placement starts pending; it serves once ActivatePlacement commits (make before
     break), except an empty one (serve nothing), which takes effect at once."""
     if isinstance(cmd, SetModel):
-        return replace(state, model=cmd.model)
+        # A model set again is tried again where it could not be loaded (its files may have
+        # been fixed): those members measure it afresh (core/fit.py waits for them).
+        members = tuple(replace(m, measure=None) if isinstance(m.measure, MeasureFailed) else m for m in state.members)
+        return replace(state, model=cmd.model, members=members)
     if isinstance(cmd, SetPlacement):
         if cmd.epoch <= state.placement_epoch:
             return state  # a stale proposal from an earlier leader

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from p2pmesh.core import physical
+from p2pmesh.core import fit, physical
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import (
     ActivatePlacement,
@@ -25,7 +25,7 @@ from p2pmesh.core.messages import (
     SetPlacement,
     Stage,
 )
-from p2pmesh.core.placement import ModelSpec, NodeSpec, Plan, PlacementError, solve_placement
+from p2pmesh.core.placement import Plan, PlacementError, solve_placement
 from p2pmesh.core.placement import Stage as PlanStage
 from p2pmesh.core.ring import Link
 
@@ -70,30 +70,19 @@ def _wanted_stages(state: ClusterState) -> tuple[Stage, ...] | None:
     model = state.model
     if model is None:
         return ()
-    by_id = {m.node_id: m for m in state.members}
-    nodes = [
-        NodeSpec(n, by_id[n].measure.memory_bytes, by_id[n].measure.layer_ms)  # type: ignore[union-attr]
-        for n in state.ring
-        if n in by_id and by_id[n].up and n not in state.draining
-        and by_id[n].measure is not None and by_id[n].measure.model == model.name  # type: ignore[union-attr]
-    ]
+    nodes = fit.planned_nodes(state)
     if not nodes:
-        return None  # nobody has measured the model yet
-    spec = ModelSpec(
-        layers=model.layers,
-        layer_bytes=model.layer_bytes,
-        kv_bytes_per_token_per_layer=model.kv_bytes_per_token_per_layer,
-        context_tokens=model.context_tokens,
-        activation_bytes=model.activation_bytes,
-        embed_bytes=model.embed_bytes,
-    )
+        # Nobody measured it yet; or nobody can load it at all: then serve nothing, rather
+        # than keep a placement of another model (core/fit.py says why).
+        return () if fit.unloadable(state) else None
+    spec = fit.model_spec(model)
     links = [Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in physical.cables(state, physical.serving(state))]
     serving = state.active if state.active else state.placement
     current = Plan(tuple(PlanStage(s.node_id, s.start, s.end) for s in serving), 0.0) if serving else None
     try:
         plan = solve_placement(spec, nodes, links, current=current, margin=PLACEMENT_MARGIN)
     except PlacementError:
-        return ()  # fits nowhere: serve nothing (the CLI and status say why)
+        return ()  # fits nowhere: serve nothing (core/fit.py says why)
     return tuple(Stage(NodeId(s.node_id), s.start, s.end) for s in plan.stages)
 
 

@@ -51,6 +51,7 @@ from p2pmesh.core.messages import (
     LinkProbe,
     MarkDown,
     Measure,
+    MeasureFailed,
     MarkUp,
     ModelInfo,
     MESSAGE_TYPES,
@@ -158,9 +159,10 @@ class ProbesMeasured:
 
 @dataclass(frozen=True, slots=True)
 class ModelMeasured:
-    """This node measured the cluster's model: its usable memory and one layer's time."""
+    """This node measured the cluster's model: its usable memory and one layer's time (or
+    why it cannot load the model at all)."""
 
-    measure: Measure
+    measure: Measure | MeasureFailed
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,7 +359,8 @@ class Machine:
         self.probes: tuple[LinkProbe, ...] = ()
         self._ports_sent_ms = -(10**9)
         self._addresses_sent_ms = -(10**9)
-        self.measure: Measure | None = None
+        self.measure: Measure | MeasureFailed | None = None
+        self._failure_committed = False  # our MeasureFailed was committed (then cluster.py may forget it)
         self._measure_sent_ms = -(10**9)
         self.loaded: set[int] = set()
         """Data-plane epochs whose local worker reported ready."""
@@ -498,7 +501,7 @@ class Machine:
         elif isinstance(event, ProbesMeasured):
             self.probes = event.probes
         elif isinstance(event, ModelMeasured):
-            self.measure = event.measure
+            self.measure, self._failure_committed = event.measure, False
         elif isinstance(event, StageFilesFetched):
             self.fetched = {e for e in self.fetched if e >= event.epoch - 2} | {event.epoch}
         elif isinstance(event, WorkerLoaded):
@@ -906,6 +909,11 @@ class Machine:
         mine = find_member(r.state, self.node_id)
         if mine is None or mine.inc != self.inc:
             return
+        if isinstance(self.measure, MeasureFailed):
+            if mine.measure == self.measure:
+                self._failure_committed = True
+            elif self._failure_committed:  # cluster.py forgot it: the model was set again
+                self.measure, self._failure_committed = None, False
         if self.measure is not None and mine.measure != self.measure and now_ms - self._measure_sent_ms >= self.settings.hello_ms:
             self._measure_sent_ms = now_ms
             self._propose(PublishMeasure(self.node_id, self.inc, self.measure), now_ms)

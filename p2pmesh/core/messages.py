@@ -112,6 +112,17 @@ class Measure:
     layer_ms: float
 
 
+@register(42)
+@dataclass(frozen=True, slots=True)
+class MeasureFailed:
+    """A member cannot load the model at all (a family its workers do not run, a broken
+    checkpoint): the measuring worker's own error, so the cluster can say why instead of
+    waiting for a measurement that never comes (core/fit.py)."""
+
+    model: str
+    error: str
+
+
 @register(24)
 @dataclass(frozen=True, slots=True)
 class Stage:
@@ -135,7 +146,7 @@ class Member:
     caps: Capabilities
     ports: tuple[PortInfo, ...] = ()
     probes: tuple[LinkProbe, ...] = ()
-    measure: Measure | None = None
+    measure: Measure | MeasureFailed | None = None
 
 
 @register(3)
@@ -256,7 +267,7 @@ class SetModel:
 class PublishMeasure:
     node_id: NodeId
     inc: int
-    measure: Measure
+    measure: Measure | MeasureFailed
 
 
 @register(27)

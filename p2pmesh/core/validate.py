@@ -20,6 +20,7 @@ from p2pmesh.core.messages import (
     Message,
     ModelInfo,
     PortInfo,
+    MeasureFailed,
     PublishMeasure,
     PublishPorts,
     Put,
@@ -108,7 +109,10 @@ def command_problem(cmd: object) -> str | None:
         return model_problem(cmd.model)
     if isinstance(cmd, UpdateMember) and (len(cmd.addresses) > ADDRESSES_MAX or any(len(a) > 256 for a in cmd.addresses)):
         return f"a member has at most {ADDRESSES_MAX} addresses of at most 256 characters"
-    if isinstance(cmd, PublishMeasure):
+    if isinstance(cmd, PublishMeasure) and isinstance(cmd.measure, MeasureFailed):
+        if not cmd.measure.model or len(cmd.measure.model) > 1024 or len(cmd.measure.error) > MEASURE_ERROR_CHARS_MAX:
+            return f"a failed measurement names its model and says why in at most {MEASURE_ERROR_CHARS_MAX} characters"
+    elif isinstance(cmd, PublishMeasure):
         m = cmd.measure
         if m.memory_bytes < 0 or not (0 < m.layer_ms < LAYER_MS_MAX):
             return f"a measurement needs memory >= 0 and a layer time in (0, {LAYER_MS_MAX:g}) ms"
@@ -119,6 +123,8 @@ LAYERS_MAX = 4096
 LAYER_MS_MAX = 1e6
 """A measured time per layer is below this (about 17 minutes: anything more is garbage)."""
 ADDRESSES_MAX = 32
+MEASURE_ERROR_CHARS_MAX = 1000
+"""A member's own reason it cannot load a model (the tail of its worker's error)."""
 """Control-plane addresses a member publishes (one per interface and family)."""
 
 

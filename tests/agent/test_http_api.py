@@ -521,6 +521,23 @@ async def test_no_model_serving_is_503(models: tuple[Path, Path]) -> None:
 
 
 @pytest.mark.trio
+async def test_a_model_the_cluster_cannot_place_is_503_with_the_reason(models: tuple[Path, Path]) -> None:
+    message = "tiny does not fit in the cluster's memory: it needs 17 kB = ... It would fit with --context-tokens 62 or fewer."
+    problem = {"code": "model_does_not_fit", "model": str(models[0]), "context_tokens": 100, "message": message}
+    stub = Stub({"model": str(models[0]), "serving": False, "stages": [], "problem": problem})
+    async with trio.open_nursery() as nursery:
+        url = await _stub_server(nursery, stub)
+        status, headers, err = await trio.to_thread.run_sync(
+            lambda: _request(url, "POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}]}'))
+        assert status == 503 and err["error"]["code"] == "model_does_not_fit" and err["error"]["message"] == message
+        assert "retry-after" not in headers  # retrying does not help until the cluster changes
+        with pytest.raises(openai.InternalServerError, match="context-tokens 62"):
+            await trio.to_thread.run_sync(lambda: _client(url).completions.create(model="x", prompt="p"))
+        assert stub.requests == []
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
 async def test_chat_without_a_template_uses_the_documented_fallback(models: tuple[Path, Path]) -> None:
     plain = models[0]
     stub = Stub({"model": str(plain), "serving": True}, [{"tokens": [7, 8], "text": "hi!"},
