@@ -11,6 +11,7 @@ again). The cases cover every pair of
     which stage dies (head, tail) x where the client is (the other holder, the spare)
     x whether the killed agent is the leader,
 so all four stage x leader cells, in four cases (the full product would double the time).
+And the other half of the rule: a request the worker refuses for its own fault fails at once.
 
 One cluster serves all cases: after a case its victim is restarted and the cluster goes
 back to the fast pair. Who leads is the elections' choice; a case that needs another leader
@@ -179,3 +180,21 @@ def test_a_generation_finishes_identically_whichever_stage_dies(
     assert tokens == slow_reference[:MAX_TOKENS]
     # The kill landed mid-generation: the origin sent the rest to a new epoch.
     assert control_status(agents[client])["requests_resumed"] > resumed_before  # type: ignore[index]
+
+
+def test_a_request_the_worker_refuses_fails_at_once_with_its_reason(cluster: Cluster) -> None:
+    """The other half of the rule: the request's own fault (a token outside the model's
+    vocabulary, which only the worker can tell) ends it, at once and for good."""
+    from p2pmesh.drivers.control import ControlError, stream
+
+    for a in cluster.agents:
+        if a.proc is not None and a.proc.poll() is not None:
+            a.start()
+    roles = cluster.serving_roles()
+    for origin in (SPARE, next(iter(roles))):  # asked of a non-holder and of a holder
+        start = time.monotonic()
+        with pytest.raises(ControlError, match="outside the model's vocabulary"):
+            for _ in stream(cluster.agents[origin].state_dir / "agent.sock", "generate", idle_timeout_s=60,
+                            prompt_tokens=[1, 99999], max_tokens=4):
+                pass
+        assert time.monotonic() - start < 30  # not held until STALL_MS as a broken epoch would be
