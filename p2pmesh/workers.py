@@ -31,6 +31,7 @@ from p2pmesh.core.mlx_hostfile import (
 )
 from p2pmesh.core.serving import WorkerSubmit
 from p2pmesh.peer_copy import model_dir
+from p2pmesh.worker import protocol
 
 if TYPE_CHECKING:
     from p2pmesh.agent import Agent
@@ -232,10 +233,6 @@ class Supervisor:
             w.ready = True
             log.info("worker of epoch %d ready (rank %d, loaded in %.2f s)", w.epoch, w.rank, float(event.get("load_s") or 0))
             await inbox.send(WorkerLoaded(w.epoch))
-        elif kind == "error" and "generation failed" in str(event.get("message", "")):
-            # The epoch broke under the request (a peer is gone): not the client's fault. The
-            # request stays with its origin, which sends it again to the next epoch.
-            log.warning("worker of epoch %d: %s", w.epoch, event.get("message"))
         elif kind in ("token", "done", "error") and event.get("id") is not None:
             req, _, attempt = str(event["id"]).rpartition("@")
             done = kind != "token"
@@ -246,7 +243,14 @@ class Supervisor:
             finish = str(event.get("finish") or ("error" if kind == "error" else ""))
             text = str(event.get("text") or event.get("message") or "")
             prompt = tuple(int(t) for t in event.get("prompt_tokens") or ())
-            await inbox.send(WorkerOutput(w.epoch, req, tokens, text, done, finish, prompt, int(attempt) if attempt.isdigit() else 0))
+            # Only the request's own fault ends it; any other error under a request (a peer is
+            # gone, or a code we do not know) is the epoch's: the core resumes it on the next.
+            broken = kind == "error" and event.get("code") != protocol.REQUEST_INVALID
+            if broken:
+                log.warning("worker of epoch %d: %s (%s): the request resumes on the next epoch",
+                            w.epoch, event.get("message"), event.get("code"))
+            await inbox.send(WorkerOutput(w.epoch, req, tokens, text, done, finish, prompt,
+                                          int(attempt) if attempt.isdigit() else 0, broken))
         elif kind == "error":
             log.warning("worker of epoch %d: %s", w.epoch, event.get("message"))
 

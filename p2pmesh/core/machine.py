@@ -199,6 +199,10 @@ class WorkerOutput:
     finish: str
     prompt_tokens: tuple[int, ...]
     attempt: int = 0
+    broken: bool = False
+    """The worker's pipeline failed under the request (a peer lost): the epoch's fault, not the
+    request's, so it resumes on the next epoch. Only an error the worker blames on the request
+    itself (a bad prompt, too long) ends it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,7 +514,8 @@ class Machine:
             self.router.requested(event.req, event.params, now_ms)
         elif isinstance(event, WorkerOutput):
             self.router.worker_event(
-                event.epoch, event.req, event.tokens, event.text, event.done, event.finish, event.prompt_tokens, event.attempt, now_ms
+                event.epoch, event.req, event.tokens, event.text, event.done, event.finish, event.prompt_tokens, event.attempt, now_ms,
+                broken=event.broken,
             )
         elif isinstance(event, WorkerCrashed):
             self.crashed = {e for e in self.crashed if e >= event.epoch - 2} | {event.epoch}

@@ -19,6 +19,10 @@ same attempt. The head ignores a copy of an attempt it already runs (a long pref
 restarted) and answers with a beacon; a beacon whose sequence number is ahead of what the
 origin received shows a lost token frame, and the request is sent again as a new attempt.
 
+A request fails for good only for reasons of its own (the worker refused it: a bad or too
+long prompt). When the epoch's pipeline breaks under it (a stage's Mac died, a peer lost),
+the head answers as for an epoch change, and the origin keeps it for the next epoch.
+
 Bounded: at most ``REQUESTS_MAX`` requests per origin and per head; a request that makes no
 progress for ``STALL_MS`` fails with an error, so a client never waits forever (asking again
 after silence is not progress).
@@ -187,10 +191,16 @@ class Router:
             del self.origins[msg.req]
 
     def worker_event(self, epoch: int, req: str, tokens: tuple[int, ...], text: str, done: bool, finish: str,
-                     prompt_tokens: tuple[int, ...], attempt: int, now_ms: int) -> None:
-        """The local head worker produced tokens (or finished) for a request."""
+                     prompt_tokens: tuple[int, ...], attempt: int, now_ms: int, *, broken: bool = False) -> None:
+        """The local head worker produced tokens (or finished) for a request. ``broken``: its
+        pipeline failed under the request (a peer lost), which is never the request's end:
+        the origin hears that this epoch is over for it and resumes it on the next one."""
         s = self.served.get(req)
         if s is None or s.epoch != epoch or s.request.attempt != attempt:
+            return
+        if broken:
+            self.messages.append((s.origin, InferTokens(self.me, req, epoch, (), STALE, True, "error", (), attempt, s.sent)))
+            del self.served[req]
             return
         reply = InferTokens(self.me, req, epoch, tokens, text, done, finish, prompt_tokens, attempt, s.sent)
         s.sent += len(tokens)

@@ -7,7 +7,7 @@ and parse events with the same definitions. docs/inference.md has the full contr
 stdout (one JSON object per line, every rank):
   {"event": "ready", "rank": r, "layers": [s, e], "load_s": t}
   {"event": "heartbeat", "rank": r, "t": unix_seconds}            every 0.5 s, from a thread
-  {"event": "error", "id": id?, "message": m}                      "id" only for a request's error
+  {"event": "error", "id": id?, "code": c, "message": m}           "id" only for a request's error
 rank 0 only:
   {"event": "token", "id": id, "token": int, "text": "incremental text"}   the first also has
                                                                "prompt_tokens": [int]
@@ -16,6 +16,14 @@ stdin (rank 0 only):
   {"op": "generate", "id": str, "prompt": str|null, "prompt_tokens": [int]|null,
    "max_tokens": n, "temperature": t, "top_p": p, "seed": s}
   {"op": "shutdown"}                                                also: EOF on stdin
+
+An error's "code" says whose fault it is, so the agent never reads the English message:
+  request_invalid   this request is wrong (bad fields, empty or too long prompt, a token
+                    outside the vocabulary): it is refused for good, the worker serves on;
+  command_invalid   a line that is not a command (no id could be read): the worker serves on;
+  pipeline_broken   the epoch's pipeline failed (a peer lost, the stages out of sync); with
+                    "id" the request it was running: not the request's fault, the worker exits 1;
+  unusable          the arguments, the environment or the model (exit 2).
 """
 from __future__ import annotations
 
@@ -31,6 +39,12 @@ MAX_TOKENS_CAP = 8192
 MAX_ID_CHARS = 256
 SEED_LIMIT = 1 << 64
 DEFAULT_MAX_TOKENS = 256
+
+REQUEST_INVALID = "request_invalid"
+COMMAND_INVALID = "command_invalid"
+PIPELINE_BROKEN = "pipeline_broken"
+UNUSABLE = "unusable"
+ERROR_CODES = (REQUEST_INVALID, COMMAND_INVALID, PIPELINE_BROKEN, UNUSABLE)
 
 
 class CommandError(ValueError):
@@ -144,5 +158,8 @@ def done(request_id: str, tokens: int, finish: str, text: str) -> dict[str, Any]
     return {"event": "done", "id": request_id, "tokens": tokens, "finish": finish, "text": text}
 
 
-def error(message: str, request_id: str | None = None) -> dict[str, Any]:
-    return {"event": "error", **({"id": request_id} if request_id is not None else {}), "message": message}
+def error(code: str, message: str, request_id: str | None = None) -> dict[str, Any]:
+    """An error event; ``code`` is one of ERROR_CODES (the module comment says which when)."""
+    if code not in ERROR_CODES:
+        raise ValueError(f"unknown error code {code!r}")
+    return {"event": "error", **({"id": request_id} if request_id is not None else {}), "code": code, "message": message}

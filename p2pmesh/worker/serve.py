@@ -130,11 +130,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(emitter: Emitter, code: int, message: str, request_id: str | None = None) -> int:
+    """Report why the worker ends (an error event and stderr); the exit status ``code``."""
     from p2pmesh.worker import protocol
 
     print(f"serve: {message}", file=sys.stderr, flush=True)
+    # Exit 1 is a runtime failure of the epoch's group, never a request's fault: the agent
+    # resumes any request named here on the next epoch (protocol.PIPELINE_BROKEN).
+    kind = protocol.UNUSABLE if code == EXIT_USAGE else protocol.PIPELINE_BROKEN
     try:
-        emitter.emit(protocol.error(message, request_id))
+        emitter.emit(protocol.error(kind, message, request_id))
     except (OSError, ValueError):
         pass
     return code
@@ -206,7 +210,8 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
 
 
 class RequestFailed(Exception):
-    """Generation failed mid-request (the pipeline broke): carries the request's id."""
+    """Generation failed mid-request (the pipeline broke): carries the request's id. Reported
+    as pipeline_broken, so the request resumes on the next epoch instead of failing."""
 
     def __init__(self, message: str, request_id: str) -> None:
         super().__init__(message)
@@ -229,7 +234,7 @@ class Server:
             try:
                 line = read_line(stdin, self.limits.max_line_bytes)
             except LineTooLong as e:
-                self.emitter.emit(protocol.error(str(e)))
+                self.emitter.emit(protocol.error(protocol.COMMAND_INVALID, str(e)))
                 continue
             if line is None:
                 return
@@ -238,7 +243,8 @@ class Server:
             try:
                 command = protocol.parse_command(line, self.limits)
             except protocol.CommandError as e:
-                self.emitter.emit(protocol.error(str(e), e.request_id))
+                code = protocol.REQUEST_INVALID if e.request_id is not None else protocol.COMMAND_INVALID
+                self.emitter.emit(protocol.error(code, str(e), e.request_id))
                 continue
             if isinstance(command, protocol.Shutdown):
                 return
@@ -262,7 +268,7 @@ class Server:
         elif self.context is not None and len(tokens) >= self.context:
             problem = f"the prompt has {len(tokens)} tokens; the model's context is {self.context}"
         if problem is not None:
-            self.emitter.emit(protocol.error(problem, cmd.id))
+            self.emitter.emit(protocol.error(protocol.REQUEST_INVALID, problem, cmd.id))
             return
         max_new = cmd.max_tokens if self.context is None else min(cmd.max_tokens, self.context - len(tokens))
         params = SamplingParams(cmd.temperature, cmd.top_p, cmd.seed)

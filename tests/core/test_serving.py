@@ -251,3 +251,64 @@ def test_a_beacon_ahead_of_the_stream_shows_a_lost_token_and_resumes_from_what_a
     origin.tick(None, B, 3, 3)
     [(dst, again)] = _requests(origin)
     assert again.attempt == 2 and again.prompt_tokens == (1, 2, 11) and origin.resumed == 1
+
+
+def _served(origin: Router, head: Router, epoch: int) -> InferRequest:
+    """``origin``'s one request, sent to ``head`` in ``epoch`` and handed to its worker."""
+    origin.tick(None, head.me, epoch, 0)
+    [(_, req)] = _requests(origin)
+    head.on_request(origin.me, req, None)
+    head.tick(None, head.me, epoch, 0)
+    head.take()
+    return req
+
+
+def _deliver(head: Router, origin: Router, now_ms: int) -> None:
+    messages, _, _ = head.take()
+    for _, m in messages:
+        origin.on_tokens(m, now_ms)  # type: ignore[arg-type]
+
+
+def test_a_broken_pipeline_resumes_the_request_on_the_next_epoch_never_ends_it() -> None:
+    origin, head = Router(A), Router(B)
+    origin.requested("r1", PARAMS, 0)
+    req = _served(origin, head, 3)
+    head.worker_event(3, "r1", (11,), "x", False, "", (1, 2, 3), req.attempt, 1)
+    _deliver(head, origin, 1)
+    assert [e.tokens for e in origin.take()[2]] == [(11,)]
+    # The tail's Mac died: the head's worker fails the request it was running.
+    head.worker_event(3, "r1", (), "generation failed: [ring] connection to a peer was lost", True, "error", (), req.attempt, 2,
+                      broken=True)
+    assert not head.served  # the head forgets it: this epoch is over for the request
+    _deliver(head, origin, 2)
+    assert origin.take() == ([], [], [])  # nothing final reaches the client
+    for now in (3, SILENT_MS + 3, 10 * SILENT_MS):  # nor is it sent to the broken epoch again
+        origin.tick(None, B, 3, now)
+        assert origin.take() == ([], [], [])
+    # The cluster moves on (epoch 5, head C): the request resumes with its tokens so far.
+    origin.tick(None, C, 5, 10 * SILENT_MS + 1)
+    [(dst, resumed)] = _requests(origin)
+    assert dst == C and resumed.epoch == 5 and resumed.prompt_tokens == (1, 2, 3, 11)
+    assert resumed.max_tokens == PARAMS.max_tokens - 1 and origin.resumed == 1
+
+
+def test_a_request_the_worker_refuses_ends_with_its_error() -> None:
+    origin, head = Router(A), Router(B)
+    origin.requested("r1", PARAMS, 0)
+    req = _served(origin, head, 3)
+    head.worker_event(3, "r1", (), "the prompt has 9000 tokens, more than 8192", True, "error", (), req.attempt, 1)
+    _deliver(head, origin, 1)
+    [event] = origin.take()[2]
+    assert event.done and event.finish == "error" and "more than 8192" in event.text
+    assert not origin.origins and not head.served
+
+
+def test_a_broken_pipeline_still_fails_after_stall_ms_without_a_new_epoch() -> None:
+    origin, head = Router(A), Router(B)
+    origin.requested("r1", PARAMS, 0)
+    req = _served(origin, head, 3)
+    head.worker_event(3, "r1", (), "peer lost", True, "error", (), req.attempt, 1, broken=True)
+    _deliver(head, origin, 1)
+    origin.tick(None, B, 3, STALL_MS)
+    [event] = origin.take()[2]
+    assert event.done and event.finish == "error" and "stuck" in event.text

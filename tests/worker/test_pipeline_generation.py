@@ -97,6 +97,9 @@ def test_pipeline_serves_like_a_single_process(family: str, stages: list[list[in
             cluster.send(line)
             event = cluster.next_event(0, time.monotonic() + 30)
             assert event["event"] == "error" and event.get("id") == rid and message in event["message"], event
+            # The agent acts on the code, not the text: a request's own fault is final, a line
+            # with no id is nobody's request.
+            assert event["code"] == ("request_invalid" if rid is not None else "command_invalid"), event
         assert cluster.generate({"op": "generate", "id": "after", "prompt": PROMPT, "max_tokens": MAX_TOKENS}) == expected
 
         assert cluster.shutdown() == [0] * len(stages), cluster.stderrs()
@@ -115,6 +118,7 @@ def test_a_dead_peer_fails_the_request_instead_of_hanging(tmp_path: Path) -> Non
         cluster.procs[1].wait(timeout=10)
         _, final = cluster.request({"op": "generate", "id": "x", "prompt": PROMPT, "max_tokens": 50}, timeout_s=60)
         assert final["event"] == "error" and final["id"] == "x" and "generation failed" in final["message"]
+        assert final["code"] == "pipeline_broken"  # not the request's fault: the agent resumes it elsewhere
         assert cluster.procs[0].wait(timeout=30) == 1
     finally:
         cluster.close()
@@ -143,3 +147,4 @@ def test_bad_arguments_exit_2_with_an_error_event(stages: str, rank: str, messag
     events = [json.loads(line) for line in r.stdout.splitlines() if b"heartbeat" not in line]
     assert r.returncode == 2, r.stderr
     assert events and events[-1]["event"] == "error" and message in events[-1]["message"], events
+    assert events[-1]["code"] == "unusable"

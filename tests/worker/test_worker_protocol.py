@@ -118,3 +118,11 @@ def test_measure_reports_sizes_from_the_headers_and_a_layer_time(tmp_path: Path,
     assert out["embed_bytes"] == 4 * vocab * 64 and out["head_bytes"] == 0  # tied
     assert out["kv_bytes_per_token_per_layer"] == 2 * 2 * 16 * 4 and out["activation_bytes"] == 64 * 4
     assert out["layers"] == 4 and out["layer_ms"] > 0 and out["memory_bytes"] > 0
+
+
+def test_error_events_carry_a_known_code() -> None:
+    assert protocol.error(protocol.REQUEST_INVALID, "too long", "r1") == {
+        "event": "error", "id": "r1", "code": "request_invalid", "message": "too long"}
+    assert protocol.error(protocol.PIPELINE_BROKEN, "peer lost") == {"event": "error", "code": "pipeline_broken", "message": "peer lost"}
+    with pytest.raises(ValueError, match="unknown error code"):
+        protocol.error("oops", "no such code")
