@@ -3,8 +3,8 @@
 
 - 3 agents whose memory limits force a 3-stage pipeline generate exactly the tokens a
   single mlx-lm process generates;
-- an agent holding a stage is SIGKILLed mid-generation: the request finishes on the new
-  epoch with identical tokens;
+- an agent holding a stage (the head of two, or the middle of three) is SIGKILLed
+  mid-generation: the request finishes on the new epoch with identical tokens;
 - a Mac that can hold the whole model joins during a generation: the layers move onto it
   (make before break) and the generation finishes with identical tokens, no request failing.
 """
@@ -201,6 +201,37 @@ def test_killing_a_stage_mid_generation_finishes_with_identical_tokens(
         survivor = agents[origin]
         assert survivor.status()["requests_resumed"] >= 1  # type: ignore[index]  # it really moved epochs
         p = wait_for(lambda: _serving(survivor, 2), SERVE_TIMEOUT_S, "serving again without the dead Mac")
+        assert ids[victim] not in [s["node_id"] for s in p["stages"]]
+        _check_stages(p)
+    finally:
+        _stop(agents)
+
+
+def test_killing_the_middle_stage_mid_generation_finishes_with_identical_tokens(
+    tmp_path: Path, slow_model: Path, slow_reference: list[int]
+) -> None:
+    # Room for 2 layers each: three stages serve, the fourth Mac is spare and is the origin.
+    per_layer, extras = _layer_bytes(slow_model)
+    agents = _agents(tmp_path, 4, [extras + per_layer * 2 + per_layer // 2] * 4)
+    try:
+        p = _start_serving(agents, slow_model, 3)
+        ids = [a.status()["node_id"] for a in agents]  # type: ignore[index]
+        staged = [ids.index(s["node_id"]) for s in p["stages"]]
+        origin = next(i for i in range(4) if i not in staged)
+        victim = staged[1]  # neither the head nor the tail: its loss reaches the head as a broken ring
+        killed = threading.Event()
+
+        def on_token(count: int) -> None:
+            if count >= 2 and not killed.is_set():
+                killed.set()
+                agents[victim].signal(signal.SIGKILL)
+
+        tokens, last = _generate(agents[origin], REFERENCE_TOKENS, on_token)
+        assert killed.is_set()
+        assert last["finish"] == "length", last
+        assert tokens == slow_reference
+        assert agents[origin].status()["requests_resumed"] >= 1  # type: ignore[index]
+        p = wait_for(lambda: _serving(agents[origin], 3), SERVE_TIMEOUT_S, "three stages again without the dead Mac")
         assert ids[victim] not in [s["node_id"] for s in p["stages"]]
         _check_stages(p)
     finally:
