@@ -25,6 +25,7 @@ from p2pmesh.core import dataplane
 from p2pmesh.core.machine import WorkerCrashed, WorkerLoaded, WorkerOutput
 from p2pmesh.core.mlx_hostfile import (
     MlxConfigError,
+    epoch_ports,
     jaccl_coordinator,
     jaccl_devices,
     ring_hostfile,
@@ -47,15 +48,6 @@ long prompt's prefill produces nothing for a while; a Mac that dies or sleeps is
 much sooner by failure detection, which moves the cluster to a new epoch."""
 STOP_GRACE_S = 3.0
 LINE_BYTES_MAX = 1 << 20
-EPOCH_PORT_STRIDE = 16
-EPOCH_PORT_SLOTS = 64
-"""Each epoch's ranks listen on base + (epoch mod 64) * 16 + rank, so a pending epoch's
-workers never collide with the active epoch's while both run (make before break)."""
-
-
-def epoch_base_port(base: int, epoch: int) -> int:
-    return base + (epoch % EPOCH_PORT_SLOTS) * EPOCH_PORT_STRIDE
-
 
 @dataclass
 class _Worker:
@@ -85,18 +77,21 @@ class GroupLaunch:
 
 def group_launch(want: dataplane.WantedWorker, hops: Any, base_port: int, members: Any) -> GroupLaunch:
     """JACCL (RDMA) when every hop of the group is RDMA-capable (Thunderbolt 5 with RDMA
-    enabled on both ends), else MLX's ring backend over TCP. Raises MlxConfigError when the
-    hops lack what the backend needs (an address, an interface)."""
+    enabled on both ends), else MLX's ring backend over TCP. Each rank's port comes from its
+    own member's committed data port (`base_port`, this agent's --data-port, only for a
+    member that published none). Raises MlxConfigError when the hops lack what the backend
+    needs (an address, an interface)."""
     order = [s.node_id for s in want.stages]
+    ports = epoch_ports(order, members, want.epoch, base_port)
     env = {"MLX_RANK": str(want.rank)}
     devices = jaccl_devices(order, hops)
     if devices is not None:
         rank0 = next((m for m in members if m.node_id == order[0]), None)
         address = next((a.rsplit(":", 1)[0] for a in (rank0.addresses if rank0 else ()) if a.count(":") == 1), None)
-        env["MLX_JACCL_COORDINATOR"] = jaccl_coordinator(order, hops, base_port, rank0_address=address)
+        env["MLX_JACCL_COORDINATOR"] = jaccl_coordinator(order, hops, ports[0], rank0_address=address)
         env["MLX_JACCL_RING"] = "1"  # our groups follow the ring: neighbours only
         return GroupLaunch("jaccl", env, {"devices": json.dumps(devices)}, {"devices": "MLX_IBV_DEVICES"})
-    hostfile = ring_hostfile(order, hops, base_port)
+    hostfile = ring_hostfile(order, hops, base_port, ports=ports)
     return GroupLaunch("ring", env, {"hostfile": json.dumps(hostfile)}, {"hostfile": "MLX_HOSTFILE"})
 
 
@@ -166,7 +161,7 @@ class Supervisor:
             m = self.agent.machine
             members = m.raft.state.members if m is not None and m.raft is not None else ()
             try:
-                launch = group_launch(want, hops, epoch_base_port(self.base_port, want.epoch), members)
+                launch = group_launch(want, hops, self.base_port, members)
             except MlxConfigError as exc:
                 log.warning("cannot start the worker of epoch %d: %s", want.epoch, exc)
                 self.failed.add(want.epoch)

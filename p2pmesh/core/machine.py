@@ -958,9 +958,12 @@ class Machine:
         mine = find_member(r.state, self.node_id)
         if mine is None or mine.inc != self.inc:
             return
-        if self.addresses and mine.addresses != self.addresses and now_ms - self._addresses_sent_ms >= self.settings.hello_ms:
+        # Capabilities too: an agent restarted with another --data-port keeps its
+        # incarnation, and its ranks must be rendered at the new port.
+        changed = (self.addresses and mine.addresses != self.addresses) or mine.caps != self.caps
+        if changed and now_ms - self._addresses_sent_ms >= self.settings.hello_ms:
             self._addresses_sent_ms = now_ms
-            self._propose(UpdateMember(self.node_id, self.inc, self.addresses, self.caps), now_ms)
+            self._propose(UpdateMember(self.node_id, self.inc, self.addresses or mine.addresses, self.caps), now_ms)
         if mine.ports == self.ports and mine.probes == self.probes:
             return
         if now_ms - self._ports_sent_ms < self.settings.hello_ms:

@@ -24,10 +24,14 @@ from p2pmesh.core.wire import register
 @register(1)
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What a Mac offers: memory for model layers and what chip it is."""
+    """What a Mac offers: memory for model layers and what chip it is, and the first port
+    of its data-plane workers (its --data-port): every member renders each rank's listen
+    port from that rank's own data port, so Macs may differ (core/mlx_hostfile.py)."""
 
     memory_bytes: int
     chip: str
+    data_port: int = 0
+    """0: not advertised (an agent from before the field); readers use their own port."""
 
 
 @register(5)
