@@ -494,7 +494,7 @@ class Agent:
             for mem in r.state.members:
                 members.append({
                     "node_id": mem.node_id, "voter": mem.voter, "up": mem.up, "addresses": list(mem.addresses),
-                    "ports": [_port_json(p) for p in mem.ports],
+                    "ports": [_port_json(p) for p in mem.ports], "data_port": mem.caps.data_port,
                 })
             ring = ring_json(r.state)
             placement = placement_json(r.state)
@@ -554,6 +554,11 @@ def placement_json(state: Any) -> dict[str, Any]:
     if state.placement_epoch > state.active_epoch:
         out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), "ready": list(state.ready),
                           "fetched": list(state.fetched)}
+    out["restarts"] = state.restarts
+    if state.fault is not None:
+        f = state.fault
+        out["fault"] = {"code": f.code, "node_id": f.node_id, "address": f.address, "port": f.port,
+                        "reporter": f.reporter, "epoch": f.epoch, "message": f.message}
     return out
 
 

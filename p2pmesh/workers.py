@@ -22,7 +22,10 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from p2pmesh.core import dataplane
+from p2pmesh.core.ids import NodeId
 from p2pmesh.core.machine import WorkerCrashed, WorkerLoaded, WorkerOutput
+from p2pmesh.core.messages import WorkerFault
+from p2pmesh.core.validate import FAULT_MESSAGE_MAX
 from p2pmesh.core.mlx_hostfile import (
     MlxConfigError,
     epoch_ports,
@@ -62,6 +65,10 @@ class _Worker:
     """Requests handed to this (head) worker and not finished."""
     progress: float = 0.0
     """When it last produced output for a request (or was given one while idle)."""
+    order: tuple[NodeId, ...] = ()
+    """The epoch's members in rank order (to name the peer of a fault)."""
+    fault: WorkerFault | None = None
+    """Why it could not form its group, when it said so before exiting."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +191,7 @@ class Supervisor:
         finally:
             log_file.close()
         now = trio.current_time()
-        worker = _Worker(want.epoch, want.rank, process, now, now)
+        worker = _Worker(want.epoch, want.rank, process, now, now, order=tuple(s.node_id for s in want.stages))
         self.workers[want.epoch] = worker
         log.info("started the worker of epoch %d: rank %d of %d, layers %s", want.epoch, want.rank, len(stages), stages[want.rank])
         nursery.start_soon(self._read_events, worker)
@@ -212,7 +219,7 @@ class Supervisor:
             del self.workers[w.epoch]
             self.failed.add(w.epoch)
             log.warning("the worker of epoch %d exited with %s", w.epoch, code)
-            await self.agent.inbox_send.send(WorkerCrashed(w.epoch))
+            await self.agent.inbox_send.send(WorkerCrashed(w.epoch, w.fault))
 
     async def _event(self, w: _Worker, line: bytes) -> None:
         try:
@@ -243,7 +250,26 @@ class Supervisor:
             prompt = tuple(int(t) for t in event.get("prompt_tokens") or ())
             await inbox.send(WorkerOutput(w.epoch, req, tokens, text, done, finish, prompt, int(attempt) if attempt.isdigit() else 0))
         elif kind == "error":
-            log.warning("worker of epoch %d: %s", w.epoch, event.get("message"))
+            w.fault = self._fault(w, event) if not w.ready else None
+            if w.fault is not None:
+                f = w.fault
+                log.warning("worker of epoch %d cannot form its ring: %s (node %s at %s:%d): %s",
+                            w.epoch, f.code, f.node_id, f.address, f.port, f.message)
+            else:
+                log.warning("worker of epoch %d: %s", w.epoch, event.get("message"))
+
+    def _fault(self, w: _Worker, event: dict[str, Any]) -> WorkerFault | None:
+        """The worker's fault (worker/protocol.py error) with the rank at fault named by its
+        node id, or None when it sent none or a malformed one."""
+        f = event.get("fault")
+        if not isinstance(f, dict):
+            return None
+        code, rank, address, port = f.get("code"), f.get("rank"), f.get("address"), f.get("port")
+        if not (isinstance(code, str) and isinstance(address, str) and type(rank) is int and type(port) is int
+                and 0 <= rank < len(w.order) and 0 <= port <= 65535 and len(code) <= 64 and len(address) <= 256):
+            return None
+        message = str(event.get("message") or "")[:FAULT_MESSAGE_MAX]
+        return WorkerFault(code, w.order[rank], address, port, self.agent.identity.node_id, w.epoch, message)
 
     async def submit(self, s: WorkerSubmit) -> None:
         """Hand a request to the local head worker of its epoch (rank 0)."""

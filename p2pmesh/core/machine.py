@@ -67,6 +67,7 @@ from p2pmesh.core.messages import (
     StageFetched,
     Snapshot,
     WorkerFailed,
+    WorkerFault,
     WorkerReady,
 )
 from p2pmesh.core.raft import HardState, Raft, RaftOutput, Role
@@ -204,6 +205,8 @@ class WorkerCrashed:
     """This node's worker for data-plane ``epoch`` exited or stopped answering."""
 
     epoch: int
+    fault: WorkerFault | None = None
+    """Why, when the worker said (its ring peer unreachable, its port taken)."""
 
 
 Input = (
@@ -367,6 +370,8 @@ class Machine:
         self._fetched_sent: dict[int, int] = {}
         self.crashed: set[int] = set()
         """Data-plane epochs whose local worker died or hung."""
+        self.faults: dict[int, WorkerFault] = {}
+        """Why a crashed epoch's worker failed, when it said (bounded like ``crashed``)."""
         self._failed_sent: dict[int, int] = {}
         self._placement_checked_at: tuple[int, int] = (-1, -1)
         self.router = Router(node_id)
@@ -511,6 +516,8 @@ class Machine:
             )
         elif isinstance(event, WorkerCrashed):
             self.crashed = {e for e in self.crashed if e >= event.epoch - 2} | {event.epoch}
+            if event.fault is not None:
+                self.faults = {e: f for e, f in self.faults.items() if e >= event.epoch - 2} | {event.epoch: event.fault}
         elif isinstance(event, LeaveRequested):
             if not self.leaving:
                 self.leaving = True
@@ -924,7 +931,7 @@ class Machine:
             if broken in (state.active_epoch, state.placement_epoch) and state.failed_epoch < broken:
                 if now_ms - self._failed_sent.get(broken, -(10**9)) >= self.settings.hello_ms:
                     self._failed_sent = {broken: now_ms}
-                    self._propose(WorkerFailed(self.node_id, self.inc, broken), now_ms)
+                    self._propose(WorkerFailed(self.node_id, self.inc, broken, self.faults.get(broken)), now_ms)
 
     def _route(self, now_ms: int) -> None:
         """Move inference requests along (core/serving.py) and collect their effects."""

@@ -307,6 +307,23 @@ class Drain:
     inc: int
 
 
+@register(42)
+@dataclass(frozen=True, slots=True)
+class WorkerFault:
+    """Why a worker could not form its epoch's group, when it could tell (status shows it):
+    ``code`` is machine-readable (worker/ring_check.py RING_FAULTS), ``node_id`` the member
+    at fault (the ring peer it could not reach, or the reporter itself when its own port
+    is taken), ``address``:``port`` where."""
+
+    code: str
+    node_id: NodeId
+    address: str
+    port: int
+    reporter: NodeId
+    epoch: int
+    message: str
+
+
 @register(23)
 @dataclass(frozen=True, slots=True)
 class WorkerFailed:
@@ -315,6 +332,8 @@ class WorkerFailed:
     node_id: NodeId
     inc: int
     epoch: int
+    fault: WorkerFault | None = None
+    """Why, when the worker said (a ring peer it could not reach, its port taken)."""
 
 
 @register(41)
@@ -375,6 +394,8 @@ class ClusterState:
     """Members leaving gracefully: no new placement gives them layers."""
     fetched: tuple[NodeId, ...] = ()
     """Members whose files for placement_epoch's stage are on their disk (StageFetched)."""
+    fault: WorkerFault | None = None
+    """Why the newest failed epoch's group could not form (until an epoch serves again)."""
 
 
 @register(22)

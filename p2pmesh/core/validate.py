@@ -111,6 +111,12 @@ def command_problem(cmd: object) -> str | None:
         return f"a member has at most {ADDRESSES_MAX} addresses of at most 256 characters"
     if isinstance(cmd, UpdateMember):
         return caps_problem(cmd.caps)
+    if isinstance(cmd, WorkerFailed) and cmd.fault is not None:
+        f = cmd.fault
+        if f.reporter != cmd.node_id or f.epoch != cmd.epoch or not 0 <= f.port <= PORT_MAX:
+            return "a worker fault names its reporter and epoch, and a TCP port"
+        if len(f.code) > 64 or len(f.address) > 256 or len(f.message) > FAULT_MESSAGE_MAX:
+            return f"a worker fault's code, address and message are short (message: {FAULT_MESSAGE_MAX} characters)"
     if isinstance(cmd, PublishMeasure):
         m = cmd.measure
         if m.memory_bytes < 0 or not (0 < m.layer_ms < LAYER_MS_MAX):
@@ -127,6 +133,7 @@ def caps_problem(caps: Capabilities) -> str | None:
 
 
 PORT_MAX = 65535
+FAULT_MESSAGE_MAX = 1024
 LAYERS_MAX = 4096
 LAYER_MS_MAX = 1e6
 """A measured time per layer is below this (about 17 minutes: anything more is garbage)."""

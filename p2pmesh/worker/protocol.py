@@ -144,5 +144,10 @@ def done(request_id: str, tokens: int, finish: str, text: str) -> dict[str, Any]
     return {"event": "done", "id": request_id, "tokens": tokens, "finish": finish, "text": text}
 
 
-def error(message: str, request_id: str | None = None) -> dict[str, Any]:
-    return {"event": "error", **({"id": request_id} if request_id is not None else {}), "message": message}
+def error(message: str, request_id: str | None = None, fault: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An error; ``fault`` (a worker that could not form its group) says why in machine
+    terms: {"code", "rank" (the rank at fault), "address", "port"} (worker/ring_check.py)."""
+    event: dict[str, Any] = {"event": "error", **({"id": request_id} if request_id is not None else {}), "message": message}
+    if fault is not None:
+        event["fault"] = fault
+    return event

@@ -129,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_stop.set()
 
 
-def _fail(emitter: Emitter, code: int, message: str, request_id: str | None = None) -> int:
+def _fail(emitter: Emitter, code: int, message: str, request_id: str | None = None,
+          fault: dict[str, Any] | None = None) -> int:
     from p2pmesh.worker import protocol
 
-    print(f"serve: {message}", file=sys.stderr, flush=True)
+    print(f"serve: {message}" + (f" ({fault})" if fault else ""), file=sys.stderr, flush=True)
     try:
-        emitter.emit(protocol.error(message, request_id))
+        emitter.emit(protocol.error(message, request_id, fault))
     except (OSError, ValueError):
         pass
     return code
@@ -147,7 +148,7 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
     from p2pmesh.worker.checkpoint import CheckpointError, read_config
     from p2pmesh.worker.model import ModelError, load_shard, load_tokenizer, resolve_model
     from p2pmesh.worker.pipeline import PREFILL_CHUNK, Driver, Link, Stage, serve_stage
-    from p2pmesh.worker.ring_check import EnvError, read_env
+    from p2pmesh.worker.ring_check import EnvError, read_env, read_hosts, ring_fault
 
     rank, size = args.rank, len(stages)
     link: Link | None = None
@@ -171,6 +172,10 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
         if size >= 2:
             # init() once per process: MLX caches the group for the life of the process.
             link = Link(mx.distributed.init(backend=args.backend, strict=True))
+    except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError for a group that cannot form
+        fault = ring_fault(str(e), rank, read_hosts(os.environ["MLX_HOSTFILE"])) if args.backend == "ring" else None
+        return _fail(emitter, EXIT_FAILED, f"{type(e).__name__}: {e}", fault=fault)
+    try:
         t0 = time.monotonic()
         shard = load_shard(path, start, end)
         load_s = time.monotonic() - t0
