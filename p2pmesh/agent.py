@@ -110,14 +110,15 @@ class AgentConfig:
         return self.state_dir / "agent.sock"
 
 
-def _capabilities() -> Capabilities:
+def _capabilities(data_port: int) -> Capabilities:
     """What this machine offers (memory and chip; the Metal working-set limit comes with
-    the inference issue)."""
+    the inference issue) and where its workers listen: the data port goes into the
+    committed member record, so every member renders this Mac's ranks at its own port."""
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         memory = 0
-    return Capabilities(int(memory), platform.processor() or platform.machine())
+    return Capabilities(int(memory), platform.processor() or platform.machine(), data_port)
 
 
 @dataclass(slots=True)
@@ -213,7 +214,7 @@ class Agent:
         )
         # With no address yet (a cable still coming up), peers learn ours from mDNS.
         log.info("agent %s listening on %s (state %s)", self.identity.node_id, ", ".join(advertise) or f"port {bound_port}", cfg.state_dir)
-        caps = _capabilities()
+        caps = _capabilities(cfg.data_port_base)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.transport.run, listeners)
             await self._serve_model_files(nursery, listeners, server_ctx)
@@ -493,7 +494,7 @@ class Agent:
             for mem in r.state.members:
                 members.append({
                     "node_id": mem.node_id, "voter": mem.voter, "up": mem.up, "addresses": list(mem.addresses),
-                    "ports": [_port_json(p) for p in mem.ports],
+                    "ports": [_port_json(p) for p in mem.ports], "data_port": mem.caps.data_port,
                 })
             ring = ring_json(r.state)
             placement = placement_json(r.state)
@@ -556,6 +557,11 @@ def placement_json(state: Any) -> dict[str, Any]:
     problem = _placement_problem(state)
     if problem is not None:
         out["problem"] = problem.to_json()
+    out["restarts"] = state.restarts
+    if state.fault is not None:
+        f = state.fault
+        out["fault"] = {"code": f.code, "node_id": f.node_id, "address": f.address, "port": f.port,
+                        "reporter": f.reporter, "epoch": f.epoch, "message": f.message}
     return out
 
 

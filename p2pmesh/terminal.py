@@ -106,7 +106,26 @@ def placement_text(placement: dict[str, Any] | None, me: str | None = None) -> T
     problem = placement.get("problem")
     if problem:
         t.append(f"\n  {problem.get('code')}: {problem.get('message')}", style=SLOW_STYLE)
+    fault = placement.get("fault")
+    if fault:
+        t.append("\n  " + fault_line(fault, me), style=DOWN_STYLE)
+        t.append(f" (restarted {placement.get('restarts', 0)} time(s); see docs/troubleshooting.md)")
     return t
+
+
+FAULT_WORDS = {
+    "ring_peer_unreachable": "cannot reach {node}'s worker at {at}",
+    "ring_port_in_use": "{node}'s data port {at} is taken by another program",
+    "ring_address_unavailable": "{node} has no address {at}",
+    "ring_bind_failed": "{node} cannot listen on {at}",
+}
+
+
+def fault_line(fault: dict[str, Any], me: str | None = None) -> str:
+    """Why an epoch's workers could not form their ring, in words (the code is kept too)."""
+    words = FAULT_WORDS.get(fault.get("code", ""), "{node} at {at}: the ring failed")
+    where = words.format(node=f"node {short(fault.get('node_id'), me)}", at=f"{fault.get('address')}:{fault.get('port')}")
+    return f"epoch {fault.get('epoch')}: worker on {short(fault.get('reporter'), me)}: {where} [{fault.get('code')}]"
 
 
 def status_view(status: dict[str, Any]) -> RenderableType:

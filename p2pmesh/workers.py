@@ -22,9 +22,13 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from p2pmesh.core import dataplane
+from p2pmesh.core.ids import NodeId
 from p2pmesh.core.machine import WorkerCrashed, WorkerLoaded, WorkerOutput
+from p2pmesh.core.messages import WorkerFault
+from p2pmesh.core.validate import FAULT_MESSAGE_MAX
 from p2pmesh.core.mlx_hostfile import (
     MlxConfigError,
+    epoch_ports,
     jaccl_coordinator,
     jaccl_devices,
     ring_hostfile,
@@ -48,15 +52,6 @@ long prompt's prefill produces nothing for a while; a Mac that dies or sleeps is
 much sooner by failure detection, which moves the cluster to a new epoch."""
 STOP_GRACE_S = 3.0
 LINE_BYTES_MAX = 1 << 20
-EPOCH_PORT_STRIDE = 16
-EPOCH_PORT_SLOTS = 64
-"""Each epoch's ranks listen on base + (epoch mod 64) * 16 + rank, so a pending epoch's
-workers never collide with the active epoch's while both run (make before break)."""
-
-
-def epoch_base_port(base: int, epoch: int) -> int:
-    return base + (epoch % EPOCH_PORT_SLOTS) * EPOCH_PORT_STRIDE
-
 
 @dataclass
 class _Worker:
@@ -71,6 +66,10 @@ class _Worker:
     """Requests handed to this (head) worker and not finished."""
     progress: float = 0.0
     """When it last produced output for a request (or was given one while idle)."""
+    order: tuple[NodeId, ...] = ()
+    """The epoch's members in rank order (to name the peer of a fault)."""
+    fault: WorkerFault | None = None
+    """Why it could not form its group, when it said so before exiting."""
 
 
 @dataclass(frozen=True)
@@ -86,18 +85,21 @@ class GroupLaunch:
 
 def group_launch(want: dataplane.WantedWorker, hops: Any, base_port: int, members: Any) -> GroupLaunch:
     """JACCL (RDMA) when every hop of the group is RDMA-capable (Thunderbolt 5 with RDMA
-    enabled on both ends), else MLX's ring backend over TCP. Raises MlxConfigError when the
-    hops lack what the backend needs (an address, an interface)."""
+    enabled on both ends), else MLX's ring backend over TCP. Each rank's port comes from its
+    own member's committed data port (`base_port`, this agent's --data-port, only for a
+    member that published none). Raises MlxConfigError when the hops lack what the backend
+    needs (an address, an interface)."""
     order = [s.node_id for s in want.stages]
+    ports = epoch_ports(order, members, want.epoch, base_port)
     env = {"MLX_RANK": str(want.rank)}
     devices = jaccl_devices(order, hops)
     if devices is not None:
         rank0 = next((m for m in members if m.node_id == order[0]), None)
         address = next((a.rsplit(":", 1)[0] for a in (rank0.addresses if rank0 else ()) if a.count(":") == 1), None)
-        env["MLX_JACCL_COORDINATOR"] = jaccl_coordinator(order, hops, base_port, rank0_address=address)
+        env["MLX_JACCL_COORDINATOR"] = jaccl_coordinator(order, hops, ports[0], rank0_address=address)
         env["MLX_JACCL_RING"] = "1"  # our groups follow the ring: neighbours only
         return GroupLaunch("jaccl", env, {"devices": json.dumps(devices)}, {"devices": "MLX_IBV_DEVICES"})
-    hostfile = ring_hostfile(order, hops, base_port)
+    hostfile = ring_hostfile(order, hops, base_port, ports=ports)
     return GroupLaunch("ring", env, {"hostfile": json.dumps(hostfile)}, {"hostfile": "MLX_HOSTFILE"})
 
 
@@ -167,7 +169,7 @@ class Supervisor:
             m = self.agent.machine
             members = m.raft.state.members if m is not None and m.raft is not None else ()
             try:
-                launch = group_launch(want, hops, epoch_base_port(self.base_port, want.epoch), members)
+                launch = group_launch(want, hops, self.base_port, members)
             except MlxConfigError as exc:
                 log.warning("cannot start the worker of epoch %d: %s", want.epoch, exc)
                 self.failed.add(want.epoch)
@@ -190,7 +192,7 @@ class Supervisor:
         finally:
             log_file.close()
         now = trio.current_time()
-        worker = _Worker(want.epoch, want.rank, process, now, now)
+        worker = _Worker(want.epoch, want.rank, process, now, now, order=tuple(s.node_id for s in want.stages))
         self.workers[want.epoch] = worker
         log.info("started the worker of epoch %d: rank %d of %d, layers %s", want.epoch, want.rank, len(stages), stages[want.rank])
         nursery.start_soon(self._read_events, worker)
@@ -218,7 +220,7 @@ class Supervisor:
             del self.workers[w.epoch]
             self.failed.add(w.epoch)
             log.warning("the worker of epoch %d exited with %s", w.epoch, code)
-            await self.agent.inbox_send.send(WorkerCrashed(w.epoch))
+            await self.agent.inbox_send.send(WorkerCrashed(w.epoch, w.fault))
 
     async def _event(self, w: _Worker, line: bytes) -> None:
         try:
@@ -252,7 +254,26 @@ class Supervisor:
             await inbox.send(WorkerOutput(w.epoch, req, tokens, text, done, finish, prompt,
                                           int(attempt) if attempt.isdigit() else 0, broken))
         elif kind == "error":
-            log.warning("worker of epoch %d: %s", w.epoch, event.get("message"))
+            w.fault = self._fault(w, event) if not w.ready else None
+            if w.fault is not None:
+                f = w.fault
+                log.warning("worker of epoch %d cannot form its ring: %s (node %s at %s:%d): %s",
+                            w.epoch, f.code, f.node_id, f.address, f.port, f.message)
+            else:
+                log.warning("worker of epoch %d: %s", w.epoch, event.get("message"))
+
+    def _fault(self, w: _Worker, event: dict[str, Any]) -> WorkerFault | None:
+        """The worker's fault (worker/protocol.py error) with the rank at fault named by its
+        node id, or None when it sent none or a malformed one."""
+        f = event.get("fault")
+        if not isinstance(f, dict):
+            return None
+        code, rank, address, port = f.get("code"), f.get("rank"), f.get("address"), f.get("port")
+        if not (isinstance(code, str) and isinstance(address, str) and type(rank) is int and type(port) is int
+                and 0 <= rank < len(w.order) and 0 <= port <= 65535 and len(code) <= 64 and len(address) <= 256):
+            return None
+        message = str(event.get("message") or "")[:FAULT_MESSAGE_MAX]
+        return WorkerFault(code, w.order[rank], address, port, self.agent.identity.node_id, w.epoch, message)
 
     async def submit(self, s: WorkerSubmit) -> None:
         """Hand a request to the local head worker of its epoch (rank 0)."""

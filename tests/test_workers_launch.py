@@ -10,8 +10,8 @@ import pytest
 from p2pmesh.core.dataplane import WantedWorker
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import Capabilities, Member, RingHop, Stage
-from p2pmesh.core.mlx_hostfile import MlxConfigError
-from p2pmesh.workers import epoch_base_port, group_launch
+from p2pmesh.core.mlx_hostfile import MlxConfigError, epoch_base_port
+from p2pmesh.workers import group_launch
 
 A, B, C = NodeId("a" * 32), NodeId("b" * 32), NodeId("c" * 32)
 STAGES = (Stage(A, 0, 3), Stage(B, 3, 6), Stage(C, 6, 8))
@@ -28,7 +28,7 @@ def _hops(rdma: bool, addresses: bool = True) -> tuple[RingHop, ...]:
 
 
 def test_tcp_ring_gets_a_hostfile_with_each_rank_on_its_left_cable() -> None:
-    launch = group_launch(WantedWorker(5, "m", STAGES, 1), _hops(False), 47080, MEMBERS)
+    launch = group_launch(WantedWorker(5, "m", STAGES, 1), _hops(False), 47000, MEMBERS)
     assert launch.backend == "ring" and launch.env == {"MLX_RANK": "1"}
     hostfile = json.loads(launch.files["hostfile"])
     assert hostfile == [["169.254.3.2:47080"], ["169.254.1.2:47081"], ["169.254.2.2:47082"]]
@@ -36,7 +36,7 @@ def test_tcp_ring_gets_a_hostfile_with_each_rank_on_its_left_cable() -> None:
 
 
 def test_rdma_on_every_hop_gets_jaccl_devices_and_a_coordinator() -> None:
-    launch = group_launch(WantedWorker(5, "m", STAGES, 2), _hops(True), 47080, MEMBERS)
+    launch = group_launch(WantedWorker(5, "m", STAGES, 2), _hops(True), 47000, MEMBERS)
     assert launch.backend == "jaccl" and launch.env["MLX_RANK"] == "2" and launch.env["MLX_JACCL_RING"] == "1"
     assert launch.env["MLX_JACCL_COORDINATOR"] == "10.0.0.1:47080"  # rank 0's address every rank reaches
     devices = json.loads(launch.files["devices"])
@@ -46,9 +46,25 @@ def test_rdma_on_every_hop_gets_jaccl_devices_and_a_coordinator() -> None:
 
 def test_a_hop_without_addresses_cannot_start_a_tcp_group() -> None:
     with pytest.raises(MlxConfigError):
-        group_launch(WantedWorker(5, "m", STAGES, 0), _hops(False, addresses=False), 47080, MEMBERS)
+        group_launch(WantedWorker(5, "m", STAGES, 0), _hops(False, addresses=False), 47000, MEMBERS)
 
 
 def test_epochs_get_disjoint_port_ranges() -> None:
     assert epoch_base_port(47000, 1) != epoch_base_port(47000, 2)
     assert epoch_base_port(47000, 2) - epoch_base_port(47000, 1) >= 16
+
+
+def test_each_rank_listens_on_its_own_members_data_port() -> None:
+    """Macs started with different --data-port values: rank i's port is its own member's
+    committed port (+ the epoch's offset + i), whatever port the rendering agent has; a
+    member that advertised none (an older agent) gets the renderer's own."""
+    members = tuple(
+        Member(n, 1, True, True, (f"10.0.0.{i}:7741",), Capabilities(0, "", port))
+        for i, (n, port) in enumerate(((A, 47100), (B, 47150), (C, 0)), 1)
+    )
+    for rank, mine in enumerate((47000, 47100, 47150)):  # whoever renders it, A and B ports are theirs
+        launch = group_launch(WantedWorker(5, "m", STAGES, rank), _hops(False), mine, members)
+        hostfile = json.loads(launch.files["hostfile"])
+        assert hostfile == [["169.254.3.2:47180"], ["169.254.1.2:47231"], [f"169.254.2.2:{mine + 80 + 2}"]]
+    rdma = group_launch(WantedWorker(5, "m", STAGES, 2), _hops(True), 47000, members)
+    assert rdma.env["MLX_JACCL_COORDINATOR"] == "10.0.0.1:47180"  # rank 0 listens on its own port

@@ -131,7 +131,7 @@ def _apply_dataplane(
         # A model set again is tried again where it could not be loaded (its files may have
         # been fixed): those members measure it afresh (core/fit.py waits for them).
         members = tuple(replace(m, measure=None) if isinstance(m.measure, MeasureFailed) else m for m in state.members)
-        return replace(state, model=cmd.model, members=members)
+        return replace(state, model=cmd.model, members=members, fault=None)
     if isinstance(cmd, SetPlacement):
         if cmd.epoch <= state.placement_epoch:
             return state  # a stale proposal from an earlier leader
@@ -152,7 +152,8 @@ def _apply_dataplane(
         member = find_member(state, cmd.node_id)
         if member is None or member.inc != cmd.inc or cmd.epoch not in (state.active_epoch, state.placement_epoch):
             return state
-        return replace(state, failed_epoch=max(state.failed_epoch, cmd.epoch))
+        fault = cmd.fault if cmd.fault is not None and cmd.epoch >= state.failed_epoch else state.fault
+        return replace(state, failed_epoch=max(state.failed_epoch, cmd.epoch), fault=fault)
     if isinstance(cmd, (WorkerReady, StageFetched)):
         member = find_member(state, cmd.node_id)
         staged = any(s.node_id == cmd.node_id for s in state.placement)
@@ -165,7 +166,8 @@ def _apply_dataplane(
         return replace(state, ready=tuple(sorted((*state.ready, cmd.node_id))))
     if cmd.epoch != state.placement_epoch or cmd.epoch <= state.active_epoch:
         return state
-    return replace(state, active_epoch=cmd.epoch, active=state.placement, active_hops=state.placement_hops)
+    # Serving again: the last fault is history.
+    return replace(state, active_epoch=cmd.epoch, active=state.placement, active_hops=state.placement_hops, fault=None)
 
 
 def _update_member(m: Member, cmd: Promote | MarkDown | MarkUp | UpdateMember | PublishPorts | PublishMeasure) -> Member:

@@ -68,6 +68,7 @@ from p2pmesh.core.messages import (
     StageFetched,
     Snapshot,
     WorkerFailed,
+    WorkerFault,
     WorkerReady,
 )
 from p2pmesh.core.raft import HardState, Raft, RaftOutput, Role
@@ -210,6 +211,8 @@ class WorkerCrashed:
     """This node's worker for data-plane ``epoch`` exited or stopped answering."""
 
     epoch: int
+    fault: WorkerFault | None = None
+    """Why, when the worker said (its ring peer unreachable, its port taken)."""
 
 
 Input = (
@@ -374,6 +377,8 @@ class Machine:
         self._fetched_sent: dict[int, int] = {}
         self.crashed: set[int] = set()
         """Data-plane epochs whose local worker died or hung."""
+        self.faults: dict[int, WorkerFault] = {}
+        """Why a crashed epoch's worker failed, when it said (bounded like ``crashed``)."""
         self._failed_sent: dict[int, int] = {}
         self._placement_checked_at: tuple[int, int] = (-1, -1)
         self.router = Router(node_id)
@@ -519,6 +524,8 @@ class Machine:
             )
         elif isinstance(event, WorkerCrashed):
             self.crashed = {e for e in self.crashed if e >= event.epoch - 2} | {event.epoch}
+            if event.fault is not None:
+                self.faults = {e: f for e, f in self.faults.items() if e >= event.epoch - 2} | {event.epoch: event.fault}
         elif isinstance(event, LeaveRequested):
             if not self.leaving:
                 self.leaving = True
@@ -937,7 +944,7 @@ class Machine:
             if broken in (state.active_epoch, state.placement_epoch) and state.failed_epoch < broken:
                 if now_ms - self._failed_sent.get(broken, -(10**9)) >= self.settings.hello_ms:
                     self._failed_sent = {broken: now_ms}
-                    self._propose(WorkerFailed(self.node_id, self.inc, broken), now_ms)
+                    self._propose(WorkerFailed(self.node_id, self.inc, broken, self.faults.get(broken)), now_ms)
 
     def _route(self, now_ms: int) -> None:
         """Move inference requests along (core/serving.py) and collect their effects."""
@@ -971,9 +978,12 @@ class Machine:
         mine = find_member(r.state, self.node_id)
         if mine is None or mine.inc != self.inc:
             return
-        if self.addresses and mine.addresses != self.addresses and now_ms - self._addresses_sent_ms >= self.settings.hello_ms:
+        # Capabilities too: an agent restarted with another --data-port keeps its
+        # incarnation, and its ranks must be rendered at the new port.
+        changed = (self.addresses and mine.addresses != self.addresses) or mine.caps != self.caps
+        if changed and now_ms - self._addresses_sent_ms >= self.settings.hello_ms:
             self._addresses_sent_ms = now_ms
-            self._propose(UpdateMember(self.node_id, self.inc, self.addresses, self.caps), now_ms)
+            self._propose(UpdateMember(self.node_id, self.inc, self.addresses or mine.addresses, self.caps), now_ms)
         if mine.ports == self.ports and mine.probes == self.probes:
             return
         if now_ms - self._ports_sent_ms < self.settings.hello_ms:

@@ -24,10 +24,14 @@ from p2pmesh.core.wire import register
 @register(1)
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What a Mac offers: memory for model layers and what chip it is."""
+    """What a Mac offers: memory for model layers and what chip it is, and the first port
+    of its data-plane workers (its --data-port): every member renders each rank's listen
+    port from that rank's own data port, so Macs may differ (core/mlx_hostfile.py)."""
 
     memory_bytes: int
     chip: str
+    data_port: int = 0
+    """0: not advertised (an agent from before the field); readers use their own port."""
 
 
 @register(5)
@@ -314,6 +318,23 @@ class Drain:
     inc: int
 
 
+@register(43)
+@dataclass(frozen=True, slots=True)
+class WorkerFault:
+    """Why a worker could not form its epoch's group, when it could tell (status shows it):
+    ``code`` is machine-readable (worker/ring_check.py RING_FAULTS), ``node_id`` the member
+    at fault (the ring peer it could not reach, or the reporter itself when its own port
+    is taken), ``address``:``port`` where."""
+
+    code: str
+    node_id: NodeId
+    address: str
+    port: int
+    reporter: NodeId
+    epoch: int
+    message: str
+
+
 @register(23)
 @dataclass(frozen=True, slots=True)
 class WorkerFailed:
@@ -322,6 +343,8 @@ class WorkerFailed:
     node_id: NodeId
     inc: int
     epoch: int
+    fault: WorkerFault | None = None
+    """Why, when the worker said (a ring peer it could not reach, its port taken)."""
 
 
 @register(41)
@@ -382,6 +405,8 @@ class ClusterState:
     """Members leaving gracefully: no new placement gives them layers."""
     fetched: tuple[NodeId, ...] = ()
     """Members whose files for placement_epoch's stage are on their disk (StageFetched)."""
+    fault: WorkerFault | None = None
+    """Why the newest failed epoch's group could not form (until an epoch serves again)."""
 
 
 @register(22)

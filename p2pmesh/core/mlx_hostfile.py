@@ -5,6 +5,8 @@ pair, hop i going from order[i] to order[(i+1) % n]) to MLX's inputs:
 - the ring backend's MLX_HOSTFILE: a JSON list in rank order, each rank's ["ip:port"] it
   listens on. MLX's ring rank i accepts from rank i-1 and connects to rank i+1, so rank i
   listens on its own address on the cable *from its left neighbour*: hops[i-1].dst_ipv4;
+- each rank's port: its own member's data port (the --data-port its agent committed in
+  its Capabilities; Macs may differ) shifted per epoch (``epoch_ports``);
 - JACCL's device matrix (MLX_IBV_DEVICES) and coordinator (MLX_JACCL_COORDINATOR).
 Pure and deterministic; the agent writes the JSON and starts the workers (docs/mlx.md).
 """
@@ -14,10 +16,14 @@ import ipaddress
 from collections.abc import Sequence
 
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.messages import RingHop
+from p2pmesh.core.messages import Member, RingHop
 
 LOOPBACK = "127.0.0.1"
 PORT_MAX = 65535
+EPOCH_PORT_STRIDE = 16
+EPOCH_PORT_SLOTS = 64
+"""Each epoch's ranks listen on data port + (epoch mod 64) * 16 + rank, so a pending
+epoch's workers never collide with the active epoch's while both run (make before break)."""
 RDMA_PREFIX = "rdma_"
 """JACCL names the RDMA device of interface enX "rdma_enX" (ibv_devices on macOS)."""
 
@@ -32,9 +38,31 @@ class MlxConfigError(ValueError):
         self.hop = hop
 
 
-def ring_hostfile(order: Sequence[NodeId], hops: Sequence[RingHop], base_port: int) -> list[list[str]]:
+def epoch_base_port(base: int, epoch: int) -> int:
+    return base + (epoch % EPOCH_PORT_SLOTS) * EPOCH_PORT_STRIDE
+
+
+def epoch_ports(order: Sequence[NodeId], members: Sequence[Member], epoch: int, fallback: int) -> tuple[int, ...]:
+    """The port each rank of `epoch` listens on: its own member's committed data port
+    (Capabilities.data_port) + the epoch's offset + its rank. A member that advertised none
+    (an older agent, 0) or is not in `members` gets `fallback`, the caller's own data port,
+    which is what every rank used before Macs could differ. Every member renders the same
+    ports from the same committed state, whatever its own --data-port."""
+    by_id = {m.node_id: m for m in members}
+    out = []
+    for rank, node in enumerate(order):
+        member = by_id.get(node)
+        base = member.caps.data_port if member is not None and member.caps.data_port > 0 else fallback
+        out.append(epoch_base_port(base, epoch) + rank)
+    return tuple(out)
+
+
+def ring_hostfile(
+    order: Sequence[NodeId], hops: Sequence[RingHop], base_port: int, *, ports: Sequence[int] | None = None
+) -> list[list[str]]:
     """MLX_HOSTFILE for the ring backend: rank i listens on hops[i-1].dst_ipv4, port
-    base_port + i, as [["ip:port"], ...] in rank order.
+    ports[i] (each rank's own, from ``epoch_ports``; base_port + i when not given), as
+    [["ip:port"], ...] in rank order.
 
     A 1-node ring is refused: MLX's ring then connects to itself before it listens and
     fails after ~31 s, and one rank needs no group (run the worker without MLX_HOSTFILE).
@@ -42,7 +70,14 @@ def ring_hostfile(order: Sequence[NodeId], hops: Sequence[RingHop], base_port: i
     loopback (tests, dev) or none (a remote rank would dial its own loopback)."""
     _check_chain(order, hops)
     n = len(order)
-    _check_ports(base_port, n)
+    if ports is None:
+        _check_ports(base_port, n)
+        ports = [base_port + rank for rank in range(n)]
+    elif len(ports) != n:
+        raise MlxConfigError(f"a ring of {n} nodes needs {n} ports, got {len(ports)}")
+    for rank, port in enumerate(ports):
+        if not 1 <= port <= PORT_MAX:
+            raise MlxConfigError(f"rank {rank} (node {order[rank]}): port {port} is outside 1..{PORT_MAX}", node=order[rank])
     listen: list[str] = []
     for rank in range(n):
         left = (rank - 1) % n
@@ -56,7 +91,14 @@ def ring_hostfile(order: Sequence[NodeId], hops: Sequence[RingHop], base_port: i
             node=order[rank],
             hop=(rank - 1) % n,
         )
-    return [[f"{address}:{base_port + rank}"] for rank, address in enumerate(listen)]
+    taken = {(a, p): r for r, (a, p) in enumerate(zip(listen, ports))}
+    if len(taken) != n:
+        rank = next(r for r, key in enumerate(zip(listen, ports)) if taken[key] != r)
+        raise MlxConfigError(
+            f"rank {rank} (node {order[rank]}) would listen on {listen[rank]}:{ports[rank]} like rank {taken[(listen[rank], ports[rank])]}",
+            node=order[rank],
+        )
+    return [[f"{address}:{port}"] for address, port in zip(listen, ports)]
 
 
 def loopback_hostfile(n: int, base_port: int) -> list[list[str]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from p2pmesh.core.messages import (
     AppendEntries,
+    Capabilities,
     Drain,
     AppendResponse,
     Entry,
@@ -57,7 +58,7 @@ def problem(msg: Message) -> str | None:
     if isinstance(msg, ReadIndexResponse):
         return "negative read index" if msg.index < 0 else None
     if isinstance(msg, (Hello, JoinRequest)):
-        return "incarnation must be positive" if msg.inc < 1 else None
+        return "incarnation must be positive" if msg.inc < 1 else caps_problem(msg.caps)
     if isinstance(msg, RemovalNotice):
         return "incarnation must be positive" if msg.inc < 1 else None
     return None
@@ -109,6 +110,14 @@ def command_problem(cmd: object) -> str | None:
         return model_problem(cmd.model)
     if isinstance(cmd, UpdateMember) and (len(cmd.addresses) > ADDRESSES_MAX or any(len(a) > 256 for a in cmd.addresses)):
         return f"a member has at most {ADDRESSES_MAX} addresses of at most 256 characters"
+    if isinstance(cmd, UpdateMember):
+        return caps_problem(cmd.caps)
+    if isinstance(cmd, WorkerFailed) and cmd.fault is not None:
+        f = cmd.fault
+        if f.reporter != cmd.node_id or f.epoch != cmd.epoch or not 0 <= f.port <= PORT_MAX:
+            return "a worker fault names its reporter and epoch, and a TCP port"
+        if len(f.code) > 64 or len(f.address) > 256 or len(f.message) > FAULT_MESSAGE_MAX:
+            return f"a worker fault's code, address and message are short (message: {FAULT_MESSAGE_MAX} characters)"
     if isinstance(cmd, PublishMeasure) and isinstance(cmd.measure, MeasureFailed):
         if not cmd.measure.model or len(cmd.measure.model) > 1024 or len(cmd.measure.error) > MEASURE_ERROR_CHARS_MAX:
             return f"a failed measurement names its model and says why in at most {MEASURE_ERROR_CHARS_MAX} characters"
@@ -119,6 +128,16 @@ def command_problem(cmd: object) -> str | None:
     return None
 
 
+def caps_problem(caps: Capabilities) -> str | None:
+    """A data port is 0 (not advertised) or a TCP port (mlx_hostfile checks the epoch's
+    offset on top of it when it renders a hostfile)."""
+    if not 0 <= caps.data_port <= PORT_MAX:
+        return f"a data port is 0 (none) or a TCP port up to {PORT_MAX}, not {caps.data_port}"
+    return None
+
+
+PORT_MAX = 65535
+FAULT_MESSAGE_MAX = 1024
 LAYERS_MAX = 4096
 LAYER_MS_MAX = 1e6
 """A measured time per layer is below this (about 17 minutes: anything more is garbage)."""

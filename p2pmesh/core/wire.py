@@ -3,7 +3,9 @@
 A frame body is the msgpack array ``[PROTOCOL_VERSION, tag, field...]``; a nested registered
 value is ``[tag, field...]``. Decoding checks the version, every tag, every field's type and
 every length against limits, and raises RemoteProtocolError (never anything else) on bad
-input: the caller counts the error and drops the frame. Schemas come from the dataclasses'
+input: the caller counts the error and drops the frame. A value may lack trailing fields
+that have defaults (written by an older version, before those fields existed): they decode
+as their defaults, so a new field goes at the end of its class, with a default. Schemas come from the dataclasses'
 own type hints, compiled once per class into small encode/decode closures.
 
 Length-prefixing for TCP lives in the transport driver; this module only does bodies.
@@ -196,11 +198,27 @@ def _compile_decoder(cls: type) -> Callable[[list[Any]], Any]:
         # Setting slots through their descriptors skips the frozen dataclass __init__,
         # which costs twice as much; every field was validated just above.
         namespace[f"_set{i}"] = cls.__dict__[name].__set__
-    lines = [
-        "def dec(raw):",
-        f"    if len(raw) != {len(names) + 1}:",
-        f"        _bad('{cname}: expected {len(names)} fields, got %d' % (len(raw) - 1))",
-    ]
+    # An older peer (or log) may lack fields added since, always at the end and with a
+    # default: those decode as their default. Fields without one are always required.
+    fields = dataclasses.fields(cls)
+    required = next((i for i, f in enumerate(fields) if _has_default(f)), len(fields))
+    if any(not _has_default(f) for f in fields[required:]):
+        raise LocalProtocolError(f"{cname}: a field with a default is followed by one without")
+    if required == len(names):
+        lines = [
+            "def dec(raw):",
+            f"    if len(raw) != {len(names) + 1}:",
+            f"        _bad('{cname}: expected {len(names)} fields, got %d' % (len(raw) - 1))",
+        ]
+    else:
+        lines = [
+            "def dec(raw):",
+            f"    if not {required + 1} <= len(raw) <= {len(names) + 1}:",
+            f"        _bad('{cname}: expected {required} to {len(names)} fields, got %d' % (len(raw) - 1))",
+            f"    if len(raw) < {len(names) + 1}:",
+            "        raw = raw + _defaults[len(raw) - 1:]",
+        ]
+        namespace["_defaults"] = [None] * required + [_default(f) for f in fields[required:]]
     for i, name in enumerate(names):
         var = f"f{i}"
         lines.append(f"    {var} = raw[{i + 1}]")
@@ -218,6 +236,21 @@ def _compile_decoder(cls: type) -> Callable[[list[Any]], Any]:
     dec = namespace["dec"]
     _decoders[_tag_of[cls]] = dec
     return dec
+
+
+def _has_default(f: dataclasses.Field[Any]) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    """A missing field's value in its *encoded* form: it goes through the field's decoder
+    like a sent one (defaults are immutable values: tuples, None, numbers, strings)."""
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    if value is None or isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, tuple) and not value:
+        return []
+    raise LocalProtocolError(f"field {f.name}: default {value!r} has no wire form (use None, a scalar or ())")
 
 
 def _bad(why: str) -> None:

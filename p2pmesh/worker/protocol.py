@@ -158,8 +158,13 @@ def done(request_id: str, tokens: int, finish: str, text: str) -> dict[str, Any]
     return {"event": "done", "id": request_id, "tokens": tokens, "finish": finish, "text": text}
 
 
-def error(code: str, message: str, request_id: str | None = None) -> dict[str, Any]:
-    """An error event; ``code`` is one of ERROR_CODES (the module comment says which when)."""
+def error(code: str, message: str, request_id: str | None = None, fault: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An error event; ``code`` is one of ERROR_CODES (the module comment says which when).
+    ``fault`` (a worker that could not form its group) says why in machine terms:
+    {"code", "rank" (the rank at fault), "address", "port"} (worker/ring_check.py)."""
     if code not in ERROR_CODES:
         raise ValueError(f"unknown error code {code!r}")
-    return {"event": "error", **({"id": request_id} if request_id is not None else {}), "code": code, "message": message}
+    event: dict[str, Any] = {"event": "error", **({"id": request_id} if request_id is not None else {}), "code": code, "message": message}
+    if fault is not None:
+        event["fault"] = fault
+    return event

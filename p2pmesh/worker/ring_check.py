@@ -48,6 +48,43 @@ def read_env() -> tuple[int, int]:
     return int(rank_s), len(hosts)
 
 
+RING_FAULTS = {
+    "ring_peer_unreachable": "nothing accepts at the right-hand neighbour's address and port (its worker is not "
+                             "listening there: another data port, a firewall, or it never started)",
+    "ring_port_in_use": "this rank's own listen port is taken by another program",
+    "ring_address_unavailable": "this rank's listen address is not on this Mac",
+    "ring_bind_failed": "this rank cannot listen on its address and port",
+}
+"""Machine-readable reasons a rank cannot form its ring group (the `code` of a fault)."""
+_CONNECT = "Couldn't connect"
+_BIND = "Couldn't bind"
+_BIND_CODES = {98: "ring_port_in_use", 48: "ring_port_in_use", 99: "ring_address_unavailable", 49: "ring_address_unavailable"}
+"""EADDRINUSE and EADDRNOTAVAIL on Linux (98, 99) and macOS (48, 49)."""
+
+
+def ring_fault(message: str, rank: int, hosts: list[list[str]]) -> dict[str, Any] | None:
+    """What MLX's ring said when init failed, as a fault naming the rank at fault and its
+    address and port, or None when it is not about reaching the ring. MLX's own message
+    says neither ("[ring] Couldn't connect (error: 111)"): each rank dials its right-hand
+    neighbour and listens on its own entry, so the hostfile tells which it was."""
+    if _CONNECT in message:
+        code, at = "ring_peer_unreachable", (rank + 1) % len(hosts)
+    elif _BIND in message:
+        errno = message.rsplit("error:", 1)[-1].strip(" )")
+        code, at = _BIND_CODES.get(int(errno) if errno.isdigit() else -1, "ring_bind_failed"), rank
+    else:
+        return None
+    address, _, port = hosts[at][0].rpartition(":")
+    return {"code": code, "rank": at, "address": address, "port": int(port) if port.isdigit() else 0}
+
+
+def read_hosts(path: str) -> list[list[str]]:
+    """The hostfile's entries (read_env checked the file already)."""
+    with open(path, encoding="utf-8") as f:
+        hosts = json.load(f)
+    return hosts if isinstance(hosts, list) else []
+
+
 def check(group: mx.distributed.Group, expected_size: int) -> dict[str, Any]:
     rank, size = group.rank(), group.size()
     if size != expected_size:

@@ -129,16 +129,17 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_stop.set()
 
 
-def _fail(emitter: Emitter, code: int, message: str, request_id: str | None = None) -> int:
+def _fail(emitter: Emitter, code: int, message: str, request_id: str | None = None,
+          fault: dict[str, Any] | None = None) -> int:
     """Report why the worker ends (an error event and stderr); the exit status ``code``."""
     from p2pmesh.worker import protocol
 
-    print(f"serve: {message}", file=sys.stderr, flush=True)
+    print(f"serve: {message}" + (f" ({fault})" if fault else ""), file=sys.stderr, flush=True)
     # Exit 1 is a runtime failure of the epoch's group, never a request's fault: the agent
     # resumes any request named here on the next epoch (protocol.PIPELINE_BROKEN).
     kind = protocol.UNUSABLE if code == EXIT_USAGE else protocol.PIPELINE_BROKEN
     try:
-        emitter.emit(protocol.error(kind, message, request_id))
+        emitter.emit(protocol.error(kind, message, request_id, fault))
     except (OSError, ValueError):
         pass
     return code
@@ -151,7 +152,7 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
     from p2pmesh.worker.checkpoint import CheckpointError, read_config
     from p2pmesh.worker.model import ModelError, load_shard, load_tokenizer, resolve_model
     from p2pmesh.worker.pipeline import PREFILL_CHUNK, Driver, Link, Stage, serve_stage
-    from p2pmesh.worker.ring_check import EnvError, read_env
+    from p2pmesh.worker.ring_check import EnvError, read_env, read_hosts, ring_fault
 
     rank, size = args.rank, len(stages)
     link: Link | None = None
@@ -175,6 +176,10 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
         if size >= 2:
             # init() once per process: MLX caches the group for the life of the process.
             link = Link(mx.distributed.init(backend=args.backend, strict=True))
+    except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError for a group that cannot form
+        fault = ring_fault(str(e), rank, read_hosts(os.environ["MLX_HOSTFILE"])) if args.backend == "ring" else None
+        return _fail(emitter, EXIT_FAILED, f"{type(e).__name__}: {e}", fault=fault)
+    try:
         t0 = time.monotonic()
         shard = load_shard(path, start, end)
         load_s = time.monotonic() - t0

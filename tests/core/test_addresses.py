@@ -47,3 +47,17 @@ def test_an_address_list_is_bounded_and_only_a_member_itself_may_move_itself() -
     assert forwarded_problem(cmd, f.node_id) is None
     assert forwarded_problem(cmd, ids[0] if ids[0] != f.node_id else ids[1]) == "a member may only speak for itself"
     assert command_problem(UpdateMember(f.node_id, f.inc, ("x" * 300,), f.caps)) is not None
+
+
+def test_a_member_restarted_with_another_data_port_is_committed_with_it() -> None:
+    """Its incarnation (and so its member record) survives a restart; the data port it
+    advertises must follow, since every member renders its ranks at that port."""
+    from dataclasses import replace
+
+    d, ids = formed(3)
+    f = a_follower(d)
+    f.caps = replace(f.caps, data_port=47150)  # what Machine.boot sets from the new --data-port
+    assert d.run_until(lambda: all(find_member(m.raft.state, f.node_id).caps.data_port == 47150  # type: ignore[union-attr]
+                                   for m in d.machines.values()), 3_000)
+    assert _committed(d, f.node_id) == f.addresses  # the addresses are kept as they were
+    assert command_problem(UpdateMember(f.node_id, f.inc, f.addresses, replace(f.caps, data_port=70000))) is not None

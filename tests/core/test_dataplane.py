@@ -208,3 +208,37 @@ def test_workers_of_a_pending_placement_start_only_once_every_stage_has_its_file
     d.handle(first, StageFilesFetched(epoch - 5))  # a stale report changes nothing
     d.run(200)
     assert set(_state(leader_of(d)).fetched) == {first, second}
+
+
+def test_a_workers_fault_is_committed_with_its_failure_and_cleared_once_an_epoch_serves() -> None:
+    """Why a group could not form (the peer, address and port the worker names) reaches
+    every member's state, so status anywhere says it; serving again clears it."""
+    from p2pmesh.core.machine import WorkerCrashed
+    from p2pmesh.core.messages import WorkerFault
+
+    d, ids = formed(3)
+    state = _serve(d, ids)
+    epoch = state.placement_epoch
+    reporter, peer = state.placement[0].node_id, state.placement[-1].node_id
+    fault = WorkerFault("ring_peer_unreachable", peer, "127.0.0.3", 47151, reporter, epoch, "[ring] Couldn't connect (error: 111)")
+    d.handle(reporter, WorkerCrashed(epoch, fault))
+    assert d.run_until(lambda: all(_state(m).fault == fault for m in d.machines.values()), 3_000)
+    restarted = _state(leader_of(d))
+    assert restarted.placement_epoch == epoch + 1 and restarted.restarts == 1  # the same stages again
+    for s in restarted.placement:
+        d.handle(s.node_id, WorkerLoaded(restarted.placement_epoch))
+    assert d.run_until(lambda: all(bool(_state(m).active) and _state(m).fault is None for m in d.machines.values()), 5_000)
+
+
+def test_a_fault_for_someone_else_or_another_epoch_is_refused() -> None:
+    from p2pmesh.core.ids import NodeId
+    from p2pmesh.core.messages import WorkerFailed, WorkerFault
+    from p2pmesh.core.validate import forwarded_problem
+
+    a, b = NodeId("a" * 32), NodeId("b" * 32)
+    ok = WorkerFault("ring_port_in_use", a, "10.0.0.1", 47001, a, 4, "[ring] Couldn't bind socket (error: 98)")
+    assert forwarded_problem(WorkerFailed(a, 1, 4, ok), a) is None
+    from dataclasses import replace
+
+    for bad in (replace(ok, reporter=b), replace(ok, epoch=5), replace(ok, port=70000), replace(ok, message="x" * 5000)):
+        assert forwarded_problem(WorkerFailed(a, 1, 4, bad), a) is not None

@@ -7,9 +7,11 @@ from dataclasses import replace
 import pytest
 
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.messages import RingHop
+from p2pmesh.core.messages import Capabilities, Member, RingHop
 from p2pmesh.core.mlx_hostfile import (
     MlxConfigError,
+    epoch_base_port,
+    epoch_ports,
     jaccl_coordinator,
     jaccl_devices,
     loopback_hostfile,
@@ -191,3 +193,55 @@ def test_jaccl_coordinator() -> None:
     no_addr = [replace(hops[0], src_ipv4=None), hops[1]]
     with pytest.raises(MlxConfigError, match="hop 0 .*no IPv4 address for node a+"):
         jaccl_coordinator(order, no_addr, 32323)
+
+
+# --------------------------------------------------------------------------------------
+# Each member's own data port (issue 13: Macs started with different --data-port values)
+
+
+def member(node: NodeId, data_port: int) -> Member:
+    return Member(node, 1, True, True, (), Capabilities(1 << 30, "chip", data_port))
+
+
+def test_each_rank_gets_its_own_members_data_port_plus_the_epoch_offset_and_its_rank() -> None:
+    members = [member(A, 47100), member(B, 47150), member(C, 47000)]
+    assert epoch_ports([A, B, C], members, 0, 1) == (47100, 47151, 47002)
+    assert epoch_ports([B, C, A], members, 6, 1) == (47150 + 96, 47000 + 96 + 1, 47100 + 96 + 2)
+    assert epoch_base_port(47100, 6 + 64) == epoch_base_port(47100, 6)  # 64 slots, reused
+
+
+def test_every_member_renders_the_same_ports_whatever_its_own() -> None:
+    """The renderer's own --data-port only stands in for members that advertised none."""
+    members = [member(A, 47100), member(B, 47150)]
+    assert epoch_ports([A, B], members, 3, 47000) == epoch_ports([A, B], members, 3, 31337)
+
+
+def test_a_member_without_an_advertised_port_gets_the_renderers() -> None:
+    """0: an agent from before data ports were advertised (and one missing from the state)."""
+    assert epoch_ports([A, B, C], [member(A, 0), member(B, 47150)], 1, 40000) == (40016, 47167, 40018)
+
+
+def test_the_hostfile_uses_the_given_ports() -> None:
+    order, hops = ring([A, B, C])
+    members = [member(A, 47100), member(B, 47150), member(C, 47000)]
+    ports = epoch_ports(order, members, 2, 47000)
+    assert ring_hostfile(order, hops, 47000, ports=ports) == [
+        ["10.0.2.2:47132"], ["10.0.0.2:47183"], ["10.0.1.2:47034"]
+    ]
+
+
+def test_bad_ports_are_refused_naming_the_rank_and_node() -> None:
+    order, hops = ring([A, B])
+    with pytest.raises(MlxConfigError, match="needs 2 ports"):
+        ring_hostfile(order, hops, 47000, ports=[47000])
+    with pytest.raises(MlxConfigError, match=f"rank 1 \\(node {B}\\): port 70000") as e:
+        ring_hostfile(order, hops, 47000, ports=[47000, 70000])
+    assert e.value.node == B
+
+
+def test_two_ranks_on_one_address_and_port_are_refused() -> None:
+    """Possible only by mistake (two Macs' data ports one rank apart, on one address)."""
+    both = [RingHop(A, B, "loopback", 1.0, None, None, None, "127.0.0.1", "127.0.0.1", False),
+            RingHop(B, A, "loopback", 1.0, None, None, None, "127.0.0.1", "127.0.0.1", False)]
+    with pytest.raises(MlxConfigError, match="like rank 1"):
+        ring_hostfile([A, B], both, 47000, ports=[47001, 47001])

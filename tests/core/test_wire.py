@@ -30,6 +30,7 @@ from p2pmesh.core.messages import (
     SetPlacement,
     Stage,
     WorkerFailed,
+    WorkerFault,
     WorkerReady,
     StageFetched,
     Drain,
@@ -124,7 +125,8 @@ EXAMPLES: dict[type, list[Any]] = {
     SetPlacement: [SetPlacement(3, "m", (Stage(A, 0, 40), Stage(B, 40, 80)), 2, (HOP,)), SetPlacement(4, "", (), 2, ())],
     WorkerReady: [WorkerReady(A, 7, 3)],
     StageFetched: [StageFetched(A, 7, 3)],
-    WorkerFailed: [WorkerFailed(A, 7, 3)],
+    WorkerFailed: [WorkerFailed(A, 7, 3), WorkerFailed(A, 7, 3, WorkerFault("ring_peer_unreachable", B, "127.0.0.2", 47100, A, 3, "x"))],
+    WorkerFault: [WorkerFault("ring_port_in_use", A, "10.0.0.1", 47001, A, 9, "[ring] Couldn't bind socket (error: 98)")],
     Drain: [Drain(A, 7)],
     ActivatePlacement: [ActivatePlacement(3)],
     InferRequest: [InferRequest(A, "r1", 3, "hi", (), 16, 0.0, 1.0, 0), InferRequest(A, "r1", 4, None, (1, 2), 3, 0.7, 0.9, 5)],
@@ -344,12 +346,29 @@ def test_oversize_frame_is_rejected_before_parsing() -> None:
 
 @pytest.mark.parametrize("message", ALL_EXAMPLES, ids=lambda m: type(m).__name__)
 def test_missing_or_extra_fields_are_rejected(message: Any) -> None:
+    """Extra fields never decode; missing ones only when they are trailing fields with
+    defaults (an older version wrote the value before they existed): they take their
+    defaults. A missing field without a default is refused."""
     raw = raw_of(message)
     with pytest.raises(RemoteProtocolError):
         wire.decode(pack(raw + [0]))
-    if len(raw) > 2:
+    fields = dataclasses.fields(message)
+    required = sum(1 for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    if required < len(fields):
+        defaults = {f.name: f.default for f in fields[required:]}
+        assert wire.decode(pack(raw[: 2 + required])) == dataclasses.replace(message, **defaults)
+    if required > 0:
         with pytest.raises(RemoteProtocolError):
-            wire.decode(pack(raw[:-1]))
+            wire.decode(pack(raw[: 2 + required - 1]))
+
+
+def test_an_older_capabilities_without_a_data_port_decodes_as_none_advertised() -> None:
+    """A member record written before Capabilities had data_port (in a log or snapshot on
+    disk, or from an older agent) still decodes: 0, meaning "use your own data port"."""
+    old = [wire.PROTOCOL_VERSION, 1, 16 << 30, "arm"]
+    assert wire.decode(pack(old)) == Capabilities(16 << 30, "arm", 0)
+    member = [wire.PROTOCOL_VERSION, 2, "a" * 32, 7, True, True, ["127.0.0.2:7741"], old[1:]]
+    assert wire.decode(pack(member)).caps.data_port == 0
 
 
 @pytest.mark.parametrize(
