@@ -1,0 +1,396 @@
+"""The exact search behind core/ring.py: the best Hamiltonian cycle under the ring objective.
+
+Input is the pair matrix ring.py builds (per pair of node indices: slow 0/1, Gb/s, RTT as an
+integer count of 1e-9 ms, so sums are exact and the same in both directions). Output is the
+best cycle as a list of indices from node 0, and whether it is proven best.
+
+Two passes, both depth-first from node 0 over *states* (the set of nodes visited, the node
+the path stands on) carrying the prefix's cost (slow hops, bottleneck, latency):
+
+1. **Value.** Neighbours best first, so a good ring is found early; a prefix is dropped
+   when a lower bound on every ring it can finish (see ``_Bounds``) is no better than the
+   best ring found, or when an earlier prefix reached the same state at no worse cost in
+   every component (the completions are the same set of paths, so it cannot do better:
+   this memo is Held-Karp's dynamic programming over subsets, reached lazily). The memo
+   bounds the work by the number of states (n 2^(n-1)) times the few non-dominated costs
+   per state, whatever the bounds achieve, so every graph of up to 16 nodes is exact.
+2. **Tie-break.** With the best value known, a second search in node-index order returns the
+   first ring that reaches it: the lexicographically smallest node list, which is the
+   canonical form (both directions of every ring start at node 0). It prunes every prefix
+   whose bound exceeds the value, and every prefix dominated by one already proven unable
+   to reach it.
+
+Both passes count expansions; a search that reaches ``expansions_max`` stops and reports
+the best ring seen as not exact (only graphs above 16 nodes get a cap by default).
+"""
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+
+_UNREACHABLE = 1 << 200
+"""A latency bound no ring reaches: the rest cannot be finished at all."""
+Cost = tuple[int, float, int]
+"""(slow hops, bottleneck Gb/s, latency in 1e-9 ms) of a prefix or a ring."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """One usable hop between two node indices, as the search sees it."""
+
+    slow: int
+    gbps: float
+    lat: int
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    path: list[int]
+    cost: Cost
+    exact: bool
+    expansions: int
+
+
+def better(a: Cost, b: Cost) -> bool:
+    """Ring objective: fewer slow hops, then a higher bottleneck, then lower latency."""
+    return (a[0], -a[1], a[2]) < (b[0], -b[1], b[2])
+
+
+class _Bounds:
+    """Lower bounds on what finishing a prefix costs: the rest of the ring is a path from the
+    current node ``v`` through every unvisited node back to node 0.
+
+    - Slow hops: a Thunderbolt-connected group C of those nodes carries at most |C|-1 of the
+      path's Thunderbolt hops, and at most half the sum over its nodes of the cables each
+      can use (a node passed through uses two, the path's two ends one each, and none more
+      than it has inside C): a Mac uses only two of its cables in a ring. Every other hop is
+      slow.
+    - Bottleneck: no better than the fastest hop into each node still to enter, nor, when a
+      slow hop is still needed, than the fastest slow hop.
+    - Latency: each node still to enter, and node 0, is entered by one of its hops (its
+      cheapest); and each node still to pass through uses two hops, each shared by two ends
+      (half the two cheapest usable hops at every node).
+    """
+
+    def __init__(self, size: int, hop: list[list[Pair | None]]) -> None:
+        self.size = size
+        self.hop = hop
+        nb = [[j for j in range(size) if hop[i][j] is not None] for i in range(size)]
+        self.fast_adj = [sum(1 << j for j in nb[i] if hop[i][j].slow == 0) for i in range(size)]  # type: ignore[union-attr]
+        self.fast_in = [max(hop[i][j].gbps for j in nb[i]) for i in range(size)]  # type: ignore[union-attr]
+        self.min_in = [min(hop[i][j].lat for j in nb[i]) for i in range(size)]  # type: ignore[union-attr]
+        by_lat = [sorted(nb[i], key=lambda j, i=i: (hop[i][j].lat, j)) for i in range(size)]  # type: ignore[union-attr]
+        self.fast_by_lat = [[(hop[i][j].lat, j) for j in by_lat[i] if not hop[i][j].slow] for i in range(size)]  # type: ignore[union-attr]
+        self.slow_by_lat = [[(hop[i][j].lat, j) for j in by_lat[i] if hop[i][j].slow] for i in range(size)]  # type: ignore[union-attr]
+        self._lat_memo: dict[int, int] = {}
+        slow_gbps = [hop[i][j].gbps for i in range(size) for j in nb[i] if hop[i][j].slow]  # type: ignore[union-attr]
+        self.slow_gbps_max = max(slow_gbps, default=0.0)
+        self._slow_memo: dict[int, int] = {}
+
+    def slow(self, v: int, rest: int) -> int:
+        """At least this many slow hops on a path v -> every node of ``rest`` -> 0."""
+        if not rest:
+            back = self.hop[v][0]
+            return back.slow if back is not None else 0
+        if v == 0:
+            return 0  # the whole ring is still to come (only at the root): no bound needed
+        base = self._slow_memo.get(rest)
+        if base is None:
+            base = self._slow_memo[rest] = self._fast_hops_max(rest | 1, 1)
+        # v adds at most one Thunderbolt hop (it is an end of the path)
+        fast = base + (1 if self.fast_adj[v] & (rest | 1) else 0)
+        return max(0, rest.bit_count() + 1 - fast)
+
+    def _fast_hops_max(self, nodes: int, ends: int) -> int:
+        """At most this many Thunderbolt hops in a path (or set of paths) over ``nodes``,
+        where the nodes of ``ends`` can use one of their cables and the others two."""
+        fast_adj = self.fast_adj
+        fast_max = 0
+        left = nodes
+        while left:
+            seen = frontier = left & -left
+            while frontier:
+                bit = frontier & -frontier
+                frontier ^= bit
+                new = fast_adj[bit.bit_length() - 1] & nodes & ~seen
+                seen |= new
+                frontier |= new
+            left &= ~seen
+            count = seen.bit_count()
+            if count == 1:
+                continue
+            uses = 0
+            members = seen
+            while members:
+                bit = members & -members
+                members ^= bit
+                degree = (fast_adj[bit.bit_length() - 1] & seen).bit_count()
+                uses += min(degree, 1 if bit & ends else 2)
+            fast_max += min(count - 1, uses // 2)
+        return fast_max
+
+    def latency(self, v: int, rest: int, slow_more: int) -> int:
+        """At least this much latency on a path v -> every node of ``rest`` -> 0 (1e-9 ms),
+        given that it takes at least ``slow_more`` slow hops."""
+        hop = self.hop
+        if not rest:
+            back = hop[v][0]
+            return back.lat if back is not None else 0
+        key = rest * self.size + v
+        got = self._lat_memo.get(key)
+        if got is not None:
+            return got
+        # Every hop of the path has two ends; a node passed through is the end of two hops,
+        # v and 0 of one each. Each end costs at least the hop it belongs to, so half the
+        # cheapest way to give every node its ends bounds the path, and at least
+        # 2 * slow_more of those ends are slow ones (cost per node is convex in how many of
+        # its ends are slow, so taking the cheapest extra slow ends greedily is exact).
+        allowed = rest | (1 << v) | 1
+        total = 0
+        slow_ends = 0
+        extra: list[int] = []
+        entered = self.min_in[0]
+        left = rest | (1 << v) | 1
+        for_ends = rest
+        while left:
+            bit = left & -left
+            left ^= bit
+            x = bit.bit_length() - 1
+            if x == v or x == 0:
+                ends, reach = 1, for_ends
+            else:
+                ends, reach = 2, allowed
+                entered += self.min_in[x]
+            fast = _cheapest(self.fast_by_lat[x], reach, ends)
+            slow = _cheapest(self.slow_by_lat[x], reach, ends)
+            if len(fast) + len(slow) < ends:
+                return _UNREACHABLE
+            # cost with k slow ends, k from the least possible up to all
+            k = ends - len(fast) if len(fast) < ends else 0
+            total += sum(fast[: ends - k]) + sum(slow[:k])
+            slow_ends += k
+            while k < min(ends, len(slow)):
+                extra.append(slow[k] - fast[ends - k - 1])
+                k += 1
+        missing = 2 * slow_more - slow_ends
+        if missing > 0:
+            extra.sort()
+            if len(extra) < missing:
+                return _UNREACHABLE
+            total += sum(extra[:missing])
+        out = max(entered, (total + 1) // 2)
+        self._lat_memo[key] = out
+        return out
+
+    def bottleneck(self, v: int, rest: int, need_slow: bool) -> float:
+        """At most this bottleneck on a path v -> every node of ``rest`` -> 0."""
+        out = self.fast_in[0]
+        fast_in = self.fast_in
+        left = rest
+        while left:
+            bit = left & -left
+            left ^= bit
+            out = min(out, fast_in[bit.bit_length() - 1])
+        if need_slow:
+            out = min(out, self.slow_gbps_max)
+        return out
+
+
+def _cheapest(by_lat: list[tuple[int, int]], reach: int, count: int) -> list[int]:
+    """The ``count`` lowest latencies in ``by_lat`` (sorted) whose other end is in ``reach``."""
+    out: list[int] = []
+    for lat, u in by_lat:
+        if reach >> u & 1:
+            out.append(lat)
+            if len(out) == count:
+                break
+    return out
+
+
+def search(size: int, hop: list[list[Pair | None]], *, expansions_max: int | None) -> Found | None:
+    """The best cycle through nodes 0..size-1 (size >= 3), or None when there is none."""
+    steps = search_steps(size, hop, expansions_max=expansions_max, slice_expansions=None)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def search_steps(size: int, hop: list[list[Pair | None]], *, expansions_max: int | None,
+                 slice_expansions: int | None) -> Generator[None, None, Found | None]:
+    """``search`` cut into slices: the generator yields after every ``slice_expansions``
+    expansions (never when None) and returns what ``search`` returns, so a caller that must
+    stay responsive (the leader's event loop) can spread one solve over several steps."""
+    bounds = _Bounds(size, hop)
+    neighbours = [
+        sorted((j for j in range(size) if hop[i][j] is not None),
+               key=lambda j, i=i: (hop[i][j].slow, -hop[i][j].gbps, hop[i][j].lat, j))  # type: ignore[union-attr]
+        for i in range(size)
+    ]
+    budget = _Budget(expansions_max, slice_expansions)
+    value = _Value(size, hop, neighbours, bounds, budget)
+    yield from value.run()
+    if value.best is None:
+        return None if value.exact else Found([], (0, 0.0, 0), False, budget.used)
+    if not value.exact:
+        return Found(value.best_path, value.best, False, budget.used)
+    ties = _TieBreak(size, hop, bounds, value.best, budget)
+    path = yield from ties.run()
+    if path is None:  # the tie-break ran out of steps: the value is still proven
+        return Found(value.best_path, value.best, False, budget.used)
+    return Found(path, value.best, True, budget.used)
+
+
+class _Budget:
+    """Expansions used, the cap on them, and when the next slice ends."""
+
+    def __init__(self, cap: int | None, slice_expansions: int | None) -> None:
+        self.cap, self.slice = cap, slice_expansions
+        self.used = 0
+
+    def spent(self) -> bool:
+        return self.cap is not None and self.used >= self.cap
+
+    def take(self) -> bool:
+        """Count one expansion; True when the slice is over (the caller yields)."""
+        self.used += 1
+        return self.slice is not None and self.used % self.slice == 0
+
+
+def _dominated(entries: list[Cost], s: int, bn: float, lat: int) -> bool:
+    for es, ebn, elat in entries:
+        if es <= s and ebn >= bn and elat <= lat:
+            return True
+    return False
+
+
+def _remember(memo: dict[int, list[Cost]], key: int, s: int, bn: float, lat: int) -> None:
+    entries = memo.get(key)
+    if entries is None:
+        memo[key] = [(s, bn, lat)]
+        return
+    entries[:] = [e for e in entries if not (s <= e[0] and bn >= e[1] and lat <= e[2])]
+    entries.append((s, bn, lat))
+
+
+class _Value:
+    """Pass 1: the best value (see the module comment)."""
+
+    def __init__(self, size: int, hop: list[list[Pair | None]], neighbours: list[list[int]], bounds: _Bounds,
+                 budget: _Budget) -> None:
+        self.size, self.hop, self.neighbours, self.bounds, self.budget = size, hop, neighbours, bounds, budget
+        self.exact = True
+        self.best: Cost | None = None
+        self.best_path: list[int] = []
+        self.memo: dict[int, list[Cost]] = {}
+        self.path = [0]
+
+    def run(self) -> Generator[None, None, None]:
+        yield from self._dfs(0, 1, 0, float("inf"), 0)
+
+    def _dfs(self, v: int, mask: int, s: int, bn: float, lat: int) -> Generator[None, None, None]:
+        size = self.size
+        rest = ((1 << size) - 1) & ~mask
+        if not rest:
+            back = self.hop[v][0]
+            if back is None:
+                return
+            cost = (s + back.slow, min(bn, back.gbps), lat + back.lat)
+            if self.best is None or better(cost, self.best):
+                self.best, self.best_path = cost, list(self.path)
+            return
+        key = mask * size + v
+        entries = self.memo.get(key)
+        if entries is not None and _dominated(entries, s, bn, lat):
+            return
+        _remember(self.memo, key, s, bn, lat)
+        if self.best is not None and not self._may_improve(v, rest, s, bn, lat):
+            return
+        if self.budget.spent():
+            self.exact = False
+            return
+        if self.budget.take():
+            yield
+        hop_v = self.hop[v]
+        for j in self.neighbours[v]:
+            if not rest >> j & 1:
+                continue
+            ph = hop_v[j]
+            if self.best is not None and s + ph.slow > self.best[0]:
+                continue  # already more slow hops than the best ring (the bound's cheap part)
+            self.path.append(j)
+            yield from self._dfs(j, mask | (1 << j), s + ph.slow, min(bn, ph.gbps), lat + ph.lat)  # type: ignore[union-attr]
+            self.path.pop()
+
+    def _may_improve(self, v: int, rest: int, s: int, bn: float, lat: int) -> bool:
+        best = self.best
+        assert best is not None
+        slow_more = self.bounds.slow(v, rest)
+        s_lb = s + slow_more
+        if s_lb != best[0]:
+            return s_lb < best[0]
+        bn_ub = min(bn, self.bounds.bottleneck(v, rest, slow_more > 0))
+        if bn_ub != best[1]:
+            return bn_ub > best[1]
+        return lat + self.bounds.latency(v, rest, slow_more) < best[2]
+
+
+class _TieBreak:
+    """Pass 2: the smallest node list among the rings of the best value."""
+
+    def __init__(self, size: int, hop: list[list[Pair | None]], bounds: _Bounds, target: Cost, budget: _Budget) -> None:
+        self.size, self.hop, self.bounds, self.target, self.budget = size, hop, bounds, target, budget
+        self.out_of_steps = False
+        self.failed: dict[int, list[Cost]] = {}
+        self.path = [0]
+        self.neighbours = [[j for j in range(size) if hop[i][j] is not None] for i in range(size)]
+
+    def run(self) -> Generator[None, None, list[int] | None]:
+        if (yield from self._dfs(0, 1, 0, float("inf"), 0)):
+            return list(self.path)
+        return None  # only when out of steps: the value pass found a ring with this value
+
+    def _dfs(self, v: int, mask: int, s: int, bn: float, lat: int) -> Generator[None, None, bool]:
+        size = self.size
+        rest = ((1 << size) - 1) & ~mask
+        target = self.target
+        if not rest:
+            back = self.hop[v][0]
+            return back is not None and (s + back.slow, min(bn, back.gbps), lat + back.lat) == target
+        key = mask * size + v
+        entries = self.failed.get(key)
+        if entries is not None and _dominated(entries, s, bn, lat):
+            return False
+        if not self._may_reach(v, rest, s, bn, lat):
+            return False
+        if self.budget.spent():
+            self.out_of_steps = True
+            return False
+        if self.budget.take():
+            yield
+        hop_v = self.hop[v]
+        for j in self.neighbours[v]:
+            if not rest >> j & 1:
+                continue
+            ph = hop_v[j]
+            self.path.append(j)
+            if (yield from self._dfs(j, mask | (1 << j), s + ph.slow, min(bn, ph.gbps), lat + ph.lat)):  # type: ignore[union-attr]
+                return True
+            self.path.pop()
+            if self.out_of_steps:
+                return False
+        _remember(self.failed, key, s, bn, lat)
+        return False
+
+    def _may_reach(self, v: int, rest: int, s: int, bn: float, lat: int) -> bool:
+        """False when every finished ring would be worse than the target."""
+        target = self.target
+        slow_more = self.bounds.slow(v, rest)
+        s_lb = s + slow_more
+        if s_lb != target[0]:
+            return s_lb < target[0]
+        bn_ub = min(bn, self.bounds.bottleneck(v, rest, slow_more > 0))
+        if bn_ub != target[1]:
+            return bn_ub > target[1]
+        return lat + self.bounds.latency(v, rest, slow_more) <= target[2]
