@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import random
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from p2pmesh.core.cluster import empty_state, find_member
@@ -63,6 +64,7 @@ from p2pmesh.core.messages import (
     RemovalNotice,
     RemoveMember,
     SetModel,
+    SetRing,
     UpdateMember,
     StageFetched,
     Snapshot,
@@ -377,6 +379,8 @@ class Machine:
         entries change neither)."""
         """(term, applied index) at which the leader last compared the ring (solving is
         the costliest pure step, so it runs once per state change, not per input)."""
+        self._ring_solving: tuple[tuple[object, ...], Generator[None, None, SetRing | None]] | None = None
+        """A solve spread over several steps (physical.negotiate_steps): its inputs, its rest."""
 
     # ------------------------------------------------------------------------------
     # Construction
@@ -867,7 +871,7 @@ class Machine:
         """Propose a new ring epoch when members, cables or addresses changed (leader only)."""
         r = self.raft
         assert r is not None
-        if r.transfer_to is not None or (r.term, r.applied) == self._ring_checked_at:
+        if r.transfer_to is not None or ((r.term, r.applied) == self._ring_checked_at and self._ring_solving is None):
             return
         index = self._inflight.get(("SetRing", ""))
         if index is not None and index > r.applied and r.log.last_index >= index:
@@ -876,7 +880,13 @@ class Machine:
         inputs = (r.state.members, r.state.ring, r.state.ring_hops)
         if inputs == self._ring_settled:
             return
-        proposal = physical.negotiate(r.state)
+        if self._ring_solving is None or self._ring_solving[0] != inputs:
+            self._ring_solving = (inputs, physical.negotiate_steps(r.state))
+        try:
+            next(self._ring_solving[1])
+            return  # one slice per step: the next step goes on, heartbeats keep flowing
+        except StopIteration as done:
+            proposal, self._ring_solving = done.value, None
         if proposal is None:
             self._ring_settled = inputs
         elif not self._propose_once(proposal, now_ms):
