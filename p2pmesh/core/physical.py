@@ -31,7 +31,7 @@ NETWORK_KIND = "network"
 """A hop over whatever IP path the control plane uses (no known cable): the slowest kind."""
 NOMINAL_GBPS = {"thunderbolt": 40.0, "ethernet": 1.0, "wifi": 0.5, NETWORK_KIND: 0.1}
 """Assumed speed when a port does not report one."""
-NEGOTIATE_SLICE_EXPANSIONS = 250
+NEGOTIATE_SLICE_STEPS = 500
 """The leader solves in its event loop, at most this many search steps per step of the
 machine (a few milliseconds), so a long solve is spread over several steps and heartbeats
 keep flowing (scripts/bench_ring.py measures the longest step). Up to 16 members the solve
@@ -160,7 +160,7 @@ def negotiate(state: ClusterState) -> SetRing | None:
 
 
 def negotiate_steps(state: ClusterState) -> Generator[None, None, SetRing | None]:
-    """``negotiate`` in slices of NEGOTIATE_SLICE_EXPANSIONS search steps: yields between
+    """``negotiate`` in slices of NEGOTIATE_SLICE_STEPS search steps: yields between
     slices, returns what ``negotiate`` returns (the caller keeps it while ``state``'s
     members, ring and hops stay the same)."""
     members = serving(state)
@@ -170,7 +170,7 @@ def negotiate_steps(state: ClusterState) -> Generator[None, None, SetRing | None
     nodes = [m.node_id for m in members]
     try:
         ring = yield from solve_steps(nodes, [Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in links],
-                                      slice_expansions=NEGOTIATE_SLICE_EXPANSIONS)
+                                      slice_steps=NEGOTIATE_SLICE_STEPS)
     except RingError:
         return None  # cannot happen with network links; never propose nonsense
     hops = _describe(ring, links, {m.node_id: m for m in members})

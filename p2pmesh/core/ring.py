@@ -151,7 +151,7 @@ def solve(nodes: list[str], links: list[Link], *, expansions_max: int | None = N
     """The best ring through every node (see the module comment). ``expansions_max`` caps the
     search (default: none up to EXACT_NODES_MAX nodes, where the search is bounded anyway;
     EXPANSIONS_MAX above)."""
-    steps = solve_steps(nodes, links, expansions_max=expansions_max, slice_expansions=None)
+    steps = solve_steps(nodes, links, expansions_max=expansions_max, slice_steps=None)
     while True:
         try:
             next(steps)
@@ -160,8 +160,8 @@ def solve(nodes: list[str], links: list[Link], *, expansions_max: int | None = N
 
 
 def solve_steps(nodes: list[str], links: list[Link], *, expansions_max: int | None = None,
-                slice_expansions: int | None = None) -> Generator[None, None, Ring]:
-    """``solve`` in slices of ``slice_expansions`` search steps: the generator yields between
+                slice_steps: int | None = None) -> Generator[None, None, Ring]:
+    """``solve`` in slices of ``slice_steps`` search steps: the generator yields between
     slices and returns the ring (or raises RingError), so the leader can solve between its
     heartbeats (core/physical.py)."""
     if not nodes:
@@ -186,7 +186,7 @@ def solve_steps(nodes: list[str], links: list[Link], *, expansions_max: int | No
             raise RingError(f"node {order[i]!r} has a link to only one other node: no ring can pass through it")
     pairs_by_index = [[None if ph is None else Pair(ph.slow, ph.gbps, _lat_units(ph.rtt_ms)) for ph in row] for row in hop]
     cap = expansions_max if expansions_max is not None else (None if size <= EXACT_NODES_MAX else EXPANSIONS_MAX)
-    found = yield from search_steps(size, pairs_by_index, expansions_max=cap, slice_expansions=slice_expansions)
+    found = yield from search_steps(size, pairs_by_index, expansions_max=cap, slice_steps=slice_steps)
     if found is None:
         raise RingError(_why_no_ring(order, hop))
     if not found.path:

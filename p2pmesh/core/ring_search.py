@@ -209,7 +209,7 @@ def _cheapest(by_lat: list[tuple[int, int]], reach: int, count: int) -> list[int
 
 def search(size: int, hop: list[list[Pair | None]], *, expansions_max: int | None) -> Found | None:
     """The best cycle through nodes 0..size-1 (size >= 3), or None when there is none."""
-    steps = search_steps(size, hop, expansions_max=expansions_max, slice_expansions=None)
+    steps = search_steps(size, hop, expansions_max=expansions_max, slice_steps=None)
     while True:
         try:
             next(steps)
@@ -218,9 +218,9 @@ def search(size: int, hop: list[list[Pair | None]], *, expansions_max: int | Non
 
 
 def search_steps(size: int, hop: list[list[Pair | None]], *, expansions_max: int | None,
-                 slice_expansions: int | None) -> Generator[None, None, Found | None]:
-    """``search`` cut into slices: the generator yields after every ``slice_expansions``
-    expansions (never when None) and returns what ``search`` returns, so a caller that must
+                 slice_steps: int | None) -> Generator[None, None, Found | None]:
+    """``search`` cut into slices: the generator yields after every ``slice_steps`` search
+    steps (never when None) and returns what ``search`` returns, so a caller that must
     stay responsive (the leader's event loop) can spread one solve over several steps."""
     bounds = _Bounds(size, hop)
     neighbours = [
@@ -228,7 +228,7 @@ def search_steps(size: int, hop: list[list[Pair | None]], *, expansions_max: int
                key=lambda j, i=i: (hop[i][j].slow, -hop[i][j].gbps, hop[i][j].lat, j))  # type: ignore[union-attr]
         for i in range(size)
     ]
-    budget = _Budget(expansions_max, slice_expansions)
+    budget = _Budget(expansions_max, slice_steps)
     value = _Value(size, hop, neighbours, bounds, budget)
     yield from value.run()
     if value.best is None:
@@ -243,17 +243,18 @@ def search_steps(size: int, hop: list[list[Pair | None]], *, expansions_max: int
 
 
 class _Budget:
-    """Expansions used, the cap on them, and when the next slice ends."""
+    """Search steps used (a step: a state the memo did not settle, whose bounds are
+    evaluated and which may be expanded), the cap on them, and when the next slice ends."""
 
-    def __init__(self, cap: int | None, slice_expansions: int | None) -> None:
-        self.cap, self.slice = cap, slice_expansions
+    def __init__(self, cap: int | None, slice_steps: int | None) -> None:
+        self.cap, self.slice = cap, slice_steps
         self.used = 0
 
     def spent(self) -> bool:
         return self.cap is not None and self.used >= self.cap
 
     def take(self) -> bool:
-        """Count one expansion; True when the slice is over (the caller yields)."""
+        """Count one step; True when the slice is over (the caller yields)."""
         self.used += 1
         return self.slice is not None and self.used % self.slice == 0
 
@@ -305,13 +306,13 @@ class _Value:
         if entries is not None and _dominated(entries, s, bn, lat):
             return
         _remember(self.memo, key, s, bn, lat)
-        if self.best is not None and not self._may_improve(v, rest, s, bn, lat):
-            return
         if self.budget.spent():
             self.exact = False
             return
         if self.budget.take():
             yield
+        if self.best is not None and not self._may_improve(v, rest, s, bn, lat):
+            return
         hop_v = self.hop[v]
         for j in self.neighbours[v]:
             if not rest >> j & 1:
@@ -362,13 +363,13 @@ class _TieBreak:
         entries = self.failed.get(key)
         if entries is not None and _dominated(entries, s, bn, lat):
             return False
-        if not self._may_reach(v, rest, s, bn, lat):
-            return False
         if self.budget.spent():
             self.out_of_steps = True
             return False
         if self.budget.take():
             yield
+        if not self._may_reach(v, rest, s, bn, lat):
+            return False
         hop_v = self.hop[v]
         for j in self.neighbours[v]:
             if not rest >> j & 1:
