@@ -86,6 +86,13 @@ class _Bounds:
         slow_gbps = [hop[i][j].gbps for i in range(size) for j in nb[i] if hop[i][j].slow]  # type: ignore[union-attr]
         self.slow_gbps_max = max(slow_gbps, default=0.0)
         self._slow_memo: dict[int, int] = {}
+        self.slow_min = 0
+        """The fewest slow hops of any ring, once pass 0 has proven it: every ring has at
+        least that many, so a prefix with s slow hops takes at least slow_min - s more."""
+
+    def slow_to_come(self, v: int, rest: int, s: int) -> int:
+        """At least this many slow hops after a prefix with ``s`` of them, standing on v."""
+        return max(self.slow(v, rest), self.slow_min - s)
 
     def slow(self, v: int, rest: int) -> int:
         """At least this many slow hops on a path v -> every node of ``rest`` -> 0."""
@@ -136,7 +143,7 @@ class _Bounds:
         if not rest:
             back = hop[v][0]
             return back.lat if back is not None else 0
-        key = rest * self.size + v
+        key = (rest * self.size + v) * (self.size + 1) + slow_more
         got = self._lat_memo.get(key)
         if got is not None:
             return got
@@ -157,7 +164,7 @@ class _Bounds:
             left ^= bit
             x = bit.bit_length() - 1
             if x == v or x == 0:
-                ends, reach = 1, for_ends
+                ends, reach = (2 if v == 0 else 1), for_ends  # at the root, 0 is both ends
             else:
                 ends, reach = 2, allowed
                 entered += self.min_in[x]
@@ -172,12 +179,14 @@ class _Bounds:
             while k < min(ends, len(slow)):
                 extra.append(slow[k] - fast[ends - k - 1])
                 k += 1
+        # Slow ends cheaper than the Thunderbolt ends they replace are always taken; then
+        # the cheapest further ones until the slow hops still needed have their ends.
+        extra.sort()
         missing = 2 * slow_more - slow_ends
-        if missing > 0:
-            extra.sort()
-            if len(extra) < missing:
-                return _UNREACHABLE
-            total += sum(extra[:missing])
+        if len(extra) < missing:
+            return _UNREACHABLE
+        take = max(missing, sum(1 for e in extra if e < 0))
+        total += sum(extra[:take])
         out = max(entered, (total + 1) // 2)
         self._lat_memo[key] = out
         return out
@@ -229,7 +238,15 @@ def search_steps(size: int, hop: list[list[Pair | None]], *, expansions_max: int
         for i in range(size)
     ]
     budget = _Budget(expansions_max, slice_steps)
+    fewest = _FewestSlow(size, hop, neighbours, bounds, budget)
+    yield from fewest.run()
+    if fewest.complete:
+        if fewest.best is None:
+            return None
+        bounds.slow_min = fewest.best
     value = _Value(size, hop, neighbours, bounds, budget)
+    if fewest.best_path:  # its ring is a good first incumbent: it has the fewest slow hops
+        value.best, value.best_path = _cost(hop, fewest.best_path), fewest.best_path
     yield from value.run()
     if value.best is None:
         return None if value.exact else Found([], (0, 0.0, 0), False, budget.used)
@@ -259,6 +276,11 @@ class _Budget:
         return self.slice is not None and self.used % self.slice == 0
 
 
+def _cost(hop: list[list[Pair | None]], path: list[int]) -> Cost:
+    steps = [hop[a][b] for a, b in zip(path, path[1:] + path[:1])]
+    return (sum(h.slow for h in steps), min(h.gbps for h in steps), sum(h.lat for h in steps))  # type: ignore[union-attr]
+
+
 def _dominated(entries: list[Cost], s: int, bn: float, lat: int) -> bool:
     for es, ebn, elat in entries:
         if es <= s and ebn >= bn and elat <= lat:
@@ -273,6 +295,53 @@ def _remember(memo: dict[int, list[Cost]], key: int, s: int, bn: float, lat: int
         return
     entries[:] = [e for e in entries if not (s <= e[0] and bn >= e[1] and lat <= e[2])]
     entries.append((s, bn, lat))
+
+
+class _FewestSlow:
+    """Pass 0: the fewest slow hops of any ring (the objective's first level alone). Knowing
+    it lets the later passes bound every prefix's slow hops, and so its bottleneck and
+    latency, by the true optimum instead of by what the rest of the graph suggests."""
+
+    def __init__(self, size: int, hop: list[list[Pair | None]], neighbours: list[list[int]], bounds: _Bounds,
+                 budget: _Budget) -> None:
+        self.size, self.hop, self.neighbours, self.bounds, self.budget = size, hop, neighbours, bounds, budget
+        self.complete = True
+        self.best: int | None = None
+        self.best_path: list[int] = []
+        self.memo: dict[int, int] = {}
+        self.path = [0]
+
+    def run(self) -> Generator[None, None, None]:
+        yield from self._dfs(0, 1, 0)
+
+    def _dfs(self, v: int, mask: int, s: int) -> Generator[None, None, None]:
+        size = self.size
+        rest = ((1 << size) - 1) & ~mask
+        if not rest:
+            back = self.hop[v][0]
+            if back is not None and (self.best is None or s + back.slow < self.best):
+                self.best, self.best_path = s + back.slow, list(self.path)
+            return
+        key = mask * size + v
+        seen = self.memo.get(key)
+        if seen is not None and seen <= s:
+            return
+        self.memo[key] = s
+        if self.budget.spent():
+            self.complete = False
+            return
+        if self.budget.take():
+            yield
+        if self.best is not None and s + self.bounds.slow(v, rest) >= self.best:
+            return
+        hop_v = self.hop[v]
+        for j in self.neighbours[v]:
+            if rest >> j & 1:
+                self.path.append(j)
+                yield from self._dfs(j, mask | (1 << j), s + hop_v[j].slow)  # type: ignore[union-attr]
+                self.path.pop()
+                if self.best == 0:
+                    return  # no ring has fewer
 
 
 class _Value:
@@ -327,7 +396,7 @@ class _Value:
     def _may_improve(self, v: int, rest: int, s: int, bn: float, lat: int) -> bool:
         best = self.best
         assert best is not None
-        slow_more = self.bounds.slow(v, rest)
+        slow_more = self.bounds.slow_to_come(v, rest, s)
         s_lb = s + slow_more
         if s_lb != best[0]:
             return s_lb < best[0]
@@ -387,7 +456,7 @@ class _TieBreak:
     def _may_reach(self, v: int, rest: int, s: int, bn: float, lat: int) -> bool:
         """False when every finished ring would be worse than the target."""
         target = self.target
-        slow_more = self.bounds.slow(v, rest)
+        slow_more = self.bounds.slow_to_come(v, rest, s)
         s_lb = s + slow_more
         if s_lb != target[0]:
             return s_lb < target[0]
