@@ -86,6 +86,7 @@ class _Bounds:
         slow_gbps = [hop[i][j].gbps for i in range(size) for j in nb[i] if hop[i][j].slow]  # type: ignore[union-attr]
         self.slow_gbps_max = max(slow_gbps, default=0.0)
         self._slow_memo: dict[int, int] = {}
+        self._bn_memo: dict[int, float] = {}
         self.slow_min = 0
         """The fewest slow hops of any ring, once pass 0 has proven it: every ring has at
         least that many, so a prefix with s slow hops takes at least slow_min - s more."""
@@ -159,6 +160,7 @@ class _Bounds:
         entered = self.min_in[0]
         left = rest | (1 << v) | 1
         for_ends = rest
+        fast_by_lat, slow_by_lat = self.fast_by_lat, self.slow_by_lat
         while left:
             bit = left & -left
             left ^= bit
@@ -168,17 +170,55 @@ class _Bounds:
             else:
                 ends, reach = 2, allowed
                 entered += self.min_in[x]
-            fast = _cheapest(self.fast_by_lat[x], reach, ends)
-            slow = _cheapest(self.slow_by_lat[x], reach, ends)
-            if len(fast) + len(slow) < ends:
+            f1 = f2 = s1 = s2 = -1  # the two cheapest Thunderbolt and slow ends (-1: none)
+            for cost, u in fast_by_lat[x]:
+                if reach >> u & 1:
+                    if f1 < 0:
+                        f1 = cost
+                        if ends == 1:
+                            break
+                    else:
+                        f2 = cost
+                        break
+            for cost, u in slow_by_lat[x]:
+                if reach >> u & 1:
+                    if s1 < 0:
+                        s1 = cost
+                        if ends == 1:
+                            break
+                    else:
+                        s2 = cost
+                        break
+            # The node's cost with as few slow ends as it can, and the extra cost of each
+            # further slow end (increasing: the cost is convex in their number).
+            if ends == 1:
+                if f1 >= 0:
+                    total += f1
+                    if s1 >= 0:
+                        extra.append(s1 - f1)
+                elif s1 >= 0:
+                    total += s1
+                    slow_ends += 1
+                else:
+                    return _UNREACHABLE
+            elif f2 >= 0:
+                total += f1 + f2
+                if s1 >= 0:
+                    extra.append(s1 - f2)
+                    if s2 >= 0:
+                        extra.append(s2 - f1)
+            elif f1 >= 0:
+                if s1 < 0:
+                    return _UNREACHABLE
+                total += f1 + s1
+                slow_ends += 1
+                if s2 >= 0:
+                    extra.append(s2 - f1)
+            elif s2 >= 0:
+                total += s1 + s2
+                slow_ends += 2
+            else:
                 return _UNREACHABLE
-            # cost with k slow ends, k from the least possible up to all
-            k = ends - len(fast) if len(fast) < ends else 0
-            total += sum(fast[: ends - k]) + sum(slow[:k])
-            slow_ends += k
-            while k < min(ends, len(slow)):
-                extra.append(slow[k] - fast[ends - k - 1])
-                k += 1
         # Slow ends cheaper than the Thunderbolt ends they replace are always taken; then
         # the cheapest further ones until the slow hops still needed have their ends.
         extra.sort()
@@ -193,27 +233,19 @@ class _Bounds:
 
     def bottleneck(self, v: int, rest: int, need_slow: bool) -> float:
         """At most this bottleneck on a path v -> every node of ``rest`` -> 0."""
-        out = self.fast_in[0]
-        fast_in = self.fast_in
-        left = rest
-        while left:
-            bit = left & -left
-            left ^= bit
-            out = min(out, fast_in[bit.bit_length() - 1])
+        out = self._bn_memo.get(rest)
+        if out is None:
+            out = self.fast_in[0]
+            fast_in = self.fast_in
+            left = rest
+            while left:
+                bit = left & -left
+                left ^= bit
+                out = min(out, fast_in[bit.bit_length() - 1])
+            self._bn_memo[rest] = out
         if need_slow:
             out = min(out, self.slow_gbps_max)
         return out
-
-
-def _cheapest(by_lat: list[tuple[int, int]], reach: int, count: int) -> list[int]:
-    """The ``count`` lowest latencies in ``by_lat`` (sorted) whose other end is in ``reach``."""
-    out: list[int] = []
-    for lat, u in by_lat:
-        if reach >> u & 1:
-            out.append(lat)
-            if len(out) == count:
-                break
-    return out
 
 
 def search(size: int, hop: list[list[Pair | None]], *, expansions_max: int | None) -> Found | None:
@@ -357,40 +389,46 @@ class _Value:
         self.path = [0]
 
     def run(self) -> Generator[None, None, None]:
-        yield from self._dfs(0, 1, 0, float("inf"), 0)
+        yield from self._expand(0, 1, 0, float("inf"), 0)
 
-    def _dfs(self, v: int, mask: int, s: int, bn: float, lat: int) -> Generator[None, None, None]:
+    def _expand(self, v: int, mask: int, s: int, bn: float, lat: int) -> Generator[None, None, None]:
+        """Visit every child of the state (mask, v); descend into those worth it. The checks
+        run here, not in the child, so a pruned child costs no generator."""
         size = self.size
         rest = ((1 << size) - 1) & ~mask
-        if not rest:
-            back = self.hop[v][0]
-            if back is None:
-                return
-            cost = (s + back.slow, min(bn, back.gbps), lat + back.lat)
-            if self.best is None or better(cost, self.best):
-                self.best, self.best_path = cost, list(self.path)
-            return
-        key = mask * size + v
-        entries = self.memo.get(key)
-        if entries is not None and _dominated(entries, s, bn, lat):
-            return
-        _remember(self.memo, key, s, bn, lat)
-        if self.budget.spent():
-            self.exact = False
-            return
-        if self.budget.take():
-            yield
-        if self.best is not None and not self._may_improve(v, rest, s, bn, lat):
-            return
-        hop_v = self.hop[v]
+        hop = self.hop
+        hop_v = hop[v]
+        memo = self.memo
         for j in self.neighbours[v]:
             if not rest >> j & 1:
                 continue
             ph = hop_v[j]
-            if self.best is not None and s + ph.slow > self.best[0]:
+            cs = s + ph.slow  # type: ignore[union-attr]
+            if self.best is not None and cs > self.best[0]:
                 continue  # already more slow hops than the best ring (the bound's cheap part)
+            cbn, clat = min(bn, ph.gbps), lat + ph.lat  # type: ignore[union-attr]
+            crest = rest & ~(1 << j)
+            if not crest:
+                back = hop[j][0]
+                if back is not None:
+                    cost = (cs + back.slow, min(cbn, back.gbps), clat + back.lat)
+                    if self.best is None or better(cost, self.best):
+                        self.best, self.best_path = cost, [*self.path, j]
+                continue
+            key = (mask | (1 << j)) * size + j
+            entries = memo.get(key)
+            if entries is not None and _dominated(entries, cs, cbn, clat):
+                continue
+            _remember(memo, key, cs, cbn, clat)
+            if self.budget.spent():
+                self.exact = False
+                return
+            if self.budget.take():
+                yield
+            if self.best is not None and not self._may_improve(j, crest, cs, cbn, clat):
+                continue
             self.path.append(j)
-            yield from self._dfs(j, mask | (1 << j), s + ph.slow, min(bn, ph.gbps), lat + ph.lat)  # type: ignore[union-attr]
+            yield from self._expand(j, mask | (1 << j), cs, cbn, clat)
             self.path.pop()
 
     def _may_improve(self, v: int, rest: int, s: int, bn: float, lat: int) -> bool:
