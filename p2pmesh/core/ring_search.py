@@ -105,13 +105,16 @@ class _Bounds:
         base = self._slow_memo.get(rest)
         if base is None:
             base = self._slow_memo[rest] = self._fast_hops_max(rest | 1, 1)
-        # v adds at most one Thunderbolt hop (it is an end of the path)
-        fast = base + (1 if self.fast_adj[v] & (rest | 1) else 0)
+        # v adds at most one Thunderbolt hop (it is an end of the path), to a node of rest
+        fast = base + (1 if self.fast_adj[v] & rest else 0)
         return max(0, rest.bit_count() + 1 - fast)
 
     def _fast_hops_max(self, nodes: int, ends: int) -> int:
         """At most this many Thunderbolt hops in a path (or set of paths) over ``nodes``,
-        where the nodes of ``ends`` can use one of their cables and the others two."""
+        where the nodes of ``ends`` can use one of their cables and the others two. Per
+        group that cables connect: fewer than its nodes, and half the cables its nodes can
+        use, where a node with one cable in the group that leads to a node already using
+        all it can (a Mac cabled to many that have no other cable) uses none."""
         fast_adj = self.fast_adj
         fast_max = 0
         left = nodes
@@ -129,11 +132,17 @@ class _Bounds:
                 continue
             uses = 0
             members = seen
+            leaves: dict[int, int] = {}
             while members:
                 bit = members & -members
                 members ^= bit
-                degree = (fast_adj[bit.bit_length() - 1] & seen).bit_count()
+                cabled = fast_adj[bit.bit_length() - 1] & seen
+                degree = cabled.bit_count()
+                if degree == 1:
+                    leaves[cabled] = leaves.get(cabled, 0) + 1
                 uses += min(degree, 1 if bit & ends else 2)
+            for hub, count_leaves in leaves.items():
+                uses -= max(0, count_leaves - (1 if hub & ends else 2))
             fast_max += min(count - 1, uses // 2)
         return fast_max
 
