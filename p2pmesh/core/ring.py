@@ -8,16 +8,18 @@ bandwidth), and the lowest RTT among them.
 Objective, in order (lexicographic):
 1. fewest hops that are not Thunderbolt (a full Thunderbolt ring has none);
 2. the highest bottleneck (the smallest hop Gb/s on the ring);
-3. the lowest total latency (sum of hop RTTs; a link without RTT counts a kind default).
+3. the lowest total latency (sum of hop RTTs; a link without RTT counts a kind default;
+   compared in whole 1e-9 ms, so the sum is exact and the same in both directions).
 Deterministic: ties break on the ring's node order, compared as a list of node ids, after
 rotating it to start at the smallest id and choosing the lexicographically smaller
 direction, so every node computes the same ring from the same graph.
 
-Exact by branch and bound over cycles that start at the smallest node id, with pruning on
-the objective so far. Real Thunderbolt graphs are sparse (a Mac has at most a few ports),
-which keeps the search small. A search that exceeds ``expansions_max`` stops and returns
-the best ring found, flagged ``exact=False`` (the bound is the objective of that ring: no
-worse than any ring seen; docs/ring.md).
+Exact search in core/ring_search.py: a depth-first search with bounds, whose memo over
+(visited set, current node) makes it Held-Karp's dynamic program reached lazily, so up to
+EXACT_NODES_MAX nodes it always finishes and is exact. Above that a search that exceeds
+``expansions_max`` steps stops and returns the best ring found, flagged ``exact=False``
+(its objective is that of the best ring seen; docs/ring.md). ``solve_steps`` runs the same
+solve in slices, for a caller that must stay responsive (the leader).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ KINDS = ("thunderbolt", "ethernet", "wifi", "network")
 """Best first. "network" is an IP path with no known cable (core/physical.py's last resort)."""
 DEFAULT_RTT_MS = {"thunderbolt": 0.2, "ethernet": 0.5, "wifi": 3.0, "network": 5.0}
 EXPANSIONS_MAX = 200_000
+"""Search steps allowed above EXACT_NODES_MAX nodes."""
 EXACT_NODES_MAX = 16
 """Up to this many nodes the search runs uncapped: its memo bounds it (core/ring_search.py)."""
 NODES_MAX = 64

@@ -4,24 +4,30 @@ Input is the pair matrix ring.py builds (per pair of node indices: slow 0/1, Gb/
 integer count of 1e-9 ms, so sums are exact and the same in both directions). Output is the
 best cycle as a list of indices from node 0, and whether it is proven best.
 
-Two passes, both depth-first from node 0 over *states* (the set of nodes visited, the node
+Three passes, all depth-first from node 0 over *states* (the set of nodes visited, the node
 the path stands on) carrying the prefix's cost (slow hops, bottleneck, latency):
 
-1. **Value.** Neighbours best first, so a good ring is found early; a prefix is dropped
-   when a lower bound on every ring it can finish (see ``_Bounds``) is no better than the
-   best ring found, or when an earlier prefix reached the same state at no worse cost in
-   every component (the completions are the same set of paths, so it cannot do better:
-   this memo is Held-Karp's dynamic programming over subsets, reached lazily). The memo
-   bounds the work by the number of states (n 2^(n-1)) times the few non-dominated costs
-   per state, whatever the bounds achieve, so every graph of up to 16 nodes is exact.
-2. **Tie-break.** With the best value known, a second search in node-index order returns the
-   first ring that reaches it: the lexicographically smallest node list, which is the
-   canonical form (both directions of every ring start at node 0). It prunes every prefix
-   whose bound exceeds the value, and every prefix dominated by one already proven unable
-   to reach it.
+0. **Fewest slow hops.** The objective's first level alone, with a memo of the fewest slow
+   hops each state was reached with. Its ring is the next pass's first incumbent, and its
+   value bounds every prefix there: every ring has at least that many slow hops, so a
+   prefix needs at least the difference, which also bounds its bottleneck (a slow hop is
+   still to come) and its latency (that many slow hop ends are still to pay).
+1. **Value.** Neighbours best first; a prefix is dropped when a lower bound on every ring it
+   can finish (see ``_Bounds``) is no better than the best ring found, or when an earlier
+   prefix reached the same state at no worse cost in every component (the completions are
+   the same set of paths, so it cannot do better: this memo is Held-Karp's dynamic program
+   over subsets, reached lazily). The work is therefore at most the n 2^(n-1) states times
+   the prefix costs per state that no earlier one dominates, whatever the bounds achieve:
+   the search always finishes, so every graph of up to 16 nodes is solved exactly.
+2. **Tie-break.** With the best value known, a search in node-index order returns the first
+   ring that reaches it: the lexicographically smallest node list, which is the canonical
+   form (both directions of every ring start at node 0). It prunes every prefix whose bound
+   exceeds the value, and every prefix dominated by one already proven unable to reach it.
 
-Both passes count expansions; a search that reaches ``expansions_max`` stops and reports
-the best ring seen as not exact (only graphs above 16 nodes get a cap by default).
+All passes count *steps* (a state the memo did not settle, whose bounds are evaluated). A
+search that reaches ``expansions_max`` steps stops and reports the best ring seen as not
+exact (only graphs above 16 nodes get a cap by default). ``search_steps`` yields every
+``slice_steps`` steps so that one solve can be spread over several steps of the leader.
 """
 from __future__ import annotations
 
@@ -63,13 +69,16 @@ class _Bounds:
     - Slow hops: a Thunderbolt-connected group C of those nodes carries at most |C|-1 of the
       path's Thunderbolt hops, and at most half the sum over its nodes of the cables each
       can use (a node passed through uses two, the path's two ends one each, and none more
-      than it has inside C): a Mac uses only two of its cables in a ring. Every other hop is
-      slow.
+      than it has inside C; a node whose one cable leads to a hub that has more such
+      neighbours than it can use may have to use none): a Mac uses only two of its cables
+      in a ring. Every other hop is slow; and never fewer than the proven fewest of any
+      ring allow (``slow_min``, pass 0).
     - Bottleneck: no better than the fastest hop into each node still to enter, nor, when a
       slow hop is still needed, than the fastest slow hop.
     - Latency: each node still to enter, and node 0, is entered by one of its hops (its
-      cheapest); and each node still to pass through uses two hops, each shared by two ends
-      (half the two cheapest usable hops at every node).
+      cheapest); and each hop has two ends, so half the cheapest way to give every node its
+      ends (two for a node passed through, one for v and for 0) bounds the path, where at
+      least two ends per slow hop still needed are slow ones.
     """
 
     def __init__(self, size: int, hop: list[list[Pair | None]]) -> None:
