@@ -53,8 +53,8 @@ class Bench:
 
 
 BENCHES: tuple[Bench, ...] = (
-    Bench("ring", ("scripts/bench_ring.py", "--graphs", "30"), ("scripts/bench_ring.py", "--graphs", "10"),
-          {"full": 120, "quick": 30}),
+    Bench("ring", ("scripts/bench_ring.py", "--graphs", "30", "--family-graphs", "60", "--leader-seeds", "6"),
+          ("scripts/bench_ring.py", "--graphs", "10", "--family-graphs", "20", "--leader-seeds", "2"), {"full": 120, "quick": 30}),
     Bench("placement", ("scripts/bench_placement.py", "--runs", "30"), ("scripts/bench_placement.py", "--runs", "5"),
           {"full": 180, "quick": 30}),
     Bench("sim_rings", ("-m", "sim", "rings", "--seeds", "0-49", "--nodes", "5"),
