@@ -879,9 +879,11 @@ class Machine:
         self._ring_checked_at = (r.term, r.applied)
         inputs = (r.state.members, r.state.ring, r.state.ring_hops)
         if inputs == self._ring_settled:
+            self._ring_solving = None
             return
-        if self._ring_solving is None or self._ring_solving[0] != inputs:
-            self._ring_solving = (inputs, physical.negotiate_steps(r.state))
+        started_from = (*inputs, r.state.ring_epoch)  # the proposal names the next epoch
+        if self._ring_solving is None or self._ring_solving[0] != started_from:
+            self._ring_solving = (started_from, physical.negotiate_steps(r.state))
         try:
             next(self._ring_solving[1])
             return  # one slice per step: the next step goes on, heartbeats keep flowing

@@ -266,21 +266,12 @@ class _Bounds:
         return out
 
 
-def search(size: int, hop: list[list[Pair | None]], *, expansions_max: int | None) -> Found | None:
-    """The best cycle through nodes 0..size-1 (size >= 3), or None when there is none."""
-    steps = search_steps(size, hop, expansions_max=expansions_max, slice_steps=None)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-
-
 def search_steps(size: int, hop: list[list[Pair | None]], *, expansions_max: int | None,
                  slice_steps: int | None) -> Generator[None, None, Found | None]:
-    """``search`` cut into slices: the generator yields after every ``slice_steps`` search
-    steps (never when None) and returns what ``search`` returns, so a caller that must
-    stay responsive (the leader's event loop) can spread one solve over several steps."""
+    """The best cycle through nodes 0..size-1 (size >= 3), or None when there is none; a
+    Found with no path when the cap stopped the search before any ring. The generator
+    yields after every ``slice_steps`` search steps (never when None), so a caller that
+    must stay responsive (the leader's event loop) can spread one solve over its steps."""
     bounds = _Bounds(size, hop)
     neighbours = [
         sorted((j for j in range(size) if hop[i][j] is not None),
