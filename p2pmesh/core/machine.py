@@ -374,7 +374,7 @@ class Machine:
         self.router = Router(node_id)
         self._ring_checked_at: tuple[int, int] = (-1, -1)
         self._ring_settled: tuple[object, ...] | None = None
-        """The inputs of physical.negotiate (members, ring, hops) when it last found nothing
+        """The inputs of physical.negotiate_steps (members, ring, hops) when it last found nothing
         to propose: a pure function, so the same inputs need no new solve (most applied
         entries change neither)."""
         """(term, applied index) at which the leader last compared the ring (solving is
@@ -899,8 +899,8 @@ class Machine:
         one) when the committed state calls for it (leader only; core/dataplane.py)."""
         r = self.raft
         assert r is not None
-        if r.transfer_to is not None or (r.term, r.applied) == self._placement_checked_at:
-            return
+        if r.transfer_to is not None or (r.term, r.applied) == self._placement_checked_at or self._ring_solving is not None:
+            return  # (a ring being solved may change the placement: wait for it as for a SetRing)
         for key in (("SetPlacement", ""), ("ActivatePlacement", ""), ("SetRing", "")):
             index = self._inflight.get(key)
             if index is not None and index > r.applied and r.log.last_index >= index:

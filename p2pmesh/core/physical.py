@@ -149,20 +149,11 @@ def common_subnet(left: tuple[str, ...], right: tuple[str, ...]) -> tuple[str, s
     return None
 
 
-def negotiate(state: ClusterState) -> SetRing | None:
-    """The ring the leader should propose now, or None when the committed one is right."""
-    steps = negotiate_steps(state)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-
-
 def negotiate_steps(state: ClusterState) -> Generator[None, None, SetRing | None]:
-    """``negotiate`` in slices of NEGOTIATE_SLICE_STEPS search steps: yields between
-    slices, returns what ``negotiate`` returns (the caller keeps it while ``state``'s
-    members, ring and hops stay the same)."""
+    """The ring the leader should propose now, or None when the committed one is right:
+    solved in slices of NEGOTIATE_SLICE_STEPS search steps, yielding between them (the
+    caller keeps the generator while ``state``'s members, ring, hops and epoch stay the
+    same, and advances it once per step of its machine)."""
     members = serving(state)
     if not members:
         return None
