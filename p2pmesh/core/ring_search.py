@@ -51,10 +51,13 @@ class Pair:
 
 @dataclass(frozen=True, slots=True)
 class Found:
+    """The best cycle found (node indices from 0), its cost, whether it is proven best (and
+    the canonical one among equals), and how many search steps it took."""
+
     path: list[int]
     cost: Cost
     exact: bool
-    expansions: int
+    steps: int
 
 
 def better(a: Cost, b: Cost) -> bool:
