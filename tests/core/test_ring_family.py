@@ -124,3 +124,15 @@ def test_a_solve_in_slices_gives_the_same_ring() -> None:
             ring = done.value
             break
     assert slices > 1 and ring == solve(nodes, links)
+
+
+def test_a_mac_cabled_to_every_other_solves_exactly() -> None:
+    """A star: the hub uses two of its fifteen cables, so the best ring has 14 slow hops
+    (the bound that knows this keeps the search short; it used to run out of steps)."""
+    nodes = [f"m{i:02d}" for i in range(16)]
+    links = [Link("m00", n, "thunderbolt", 40.0) for n in nodes[1:]]
+    links += [Link(a, b, "ethernet", 10.0) for a, b in itertools.combinations(nodes[1:], 2)]
+    ring = solve(nodes, links)
+    assert ring.exact and len(ring.slow_hops) == 14
+    assert [h.kind for h in ring.hops][0] == "thunderbolt" and [h.kind for h in ring.hops][-1] == "thunderbolt"
+    assert ring.order == tuple(nodes)  # the canonical smallest list among the equal rings
