@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 _UNREACHABLE = 1 << 200
 """A latency bound no ring reaches: the rest cannot be finished at all."""
+PENALTY_ROUNDS = 10
 Cost = tuple[int, float, int]
 """(slow hops, bottleneck Gb/s, latency in 1e-9 ms) of a prefix or a ring."""
 
@@ -91,10 +92,13 @@ class _Bounds:
         self.fast_adj = [sum(1 << j for j in nb[i] if hop[i][j].slow == 0) for i in range(size)]  # type: ignore[union-attr]
         self.fast_in = [max(hop[i][j].gbps for j in nb[i]) for i in range(size)]  # type: ignore[union-attr]
         self.min_in = [min(hop[i][j].lat for j in nb[i]) for i in range(size)]  # type: ignore[union-attr]
-        by_lat = [sorted(nb[i], key=lambda j, i=i: (hop[i][j].lat, j)) for i in range(size)]  # type: ignore[union-attr]
-        self.fast_by_lat = [[(hop[i][j].lat, j) for j in by_lat[i] if not hop[i][j].slow] for i in range(size)]  # type: ignore[union-attr]
-        self.slow_by_lat = [[(hop[i][j].lat, j) for j in by_lat[i] if hop[i][j].slow] for i in range(size)]  # type: ignore[union-attr]
+        self.nb = nb
+        self.pi: list[int] = []
+        self.shift = 0
+        self.fast_by_lat: list[list[tuple[int, int]]] = []
+        self.slow_by_lat: list[list[tuple[int, int]]] = []
         self._lat_memo: dict[int, int] = {}
+        self.reprice([0] * size)
         slow_gbps = [hop[i][j].gbps for i in range(size) for j in nb[i] if hop[i][j].slow]  # type: ignore[union-attr]
         self.slow_gbps_max = max(slow_gbps, default=0.0)
         self._slow_memo: dict[int, int] = {}
@@ -102,6 +106,17 @@ class _Bounds:
         self.slow_min = 0
         """The fewest slow hops of any ring, once pass 0 has proven it: every ring has at
         least that many, so a prefix with s slow hops takes at least slow_min - s more."""
+
+    def reprice(self, pi: list[int]) -> None:
+        """Price each hop end at lat + pi[x] + pi[u] (see ``_penalties``), plus a shift that
+        keeps every price >= 0; the latency bound reads these prices."""
+        hop, nb, size = self.hop, self.nb, self.size
+        self.pi = pi
+        self.shift = max(0, -min((hop[i][j].lat + pi[i] + pi[j] for i in range(size) for j in nb[i]), default=0))  # type: ignore[union-attr]
+        priced = [sorted((hop[i][j].lat + pi[i] + pi[j] + self.shift, j, hop[i][j].slow) for j in nb[i]) for i in range(size)]  # type: ignore[union-attr]
+        self.fast_by_lat = [[(c, j) for c, j, slow in priced[i] if not slow] for i in range(size)]
+        self.slow_by_lat = [[(c, j) for c, j, slow in priced[i] if slow] for i in range(size)]
+        self._lat_memo = {}
 
     def slow_to_come(self, v: int, rest: int, s: int) -> int:
         """At least this many slow hops after a prefix with ``s`` of them, standing on v."""
@@ -176,6 +191,7 @@ class _Bounds:
         # its ends are slow, so taking the cheapest extra slow ends greedily is exact).
         allowed = rest | (1 << v) | 1
         total = 0
+        penalty = 0  # what the prices add to any such path, counted twice (once per end)
         slow_ends = 0
         extra: list[int] = []
         entered = self.min_in[0]
@@ -191,6 +207,7 @@ class _Bounds:
             else:
                 ends, reach = 2, allowed
                 entered += self.min_in[x]
+            penalty += ends * (2 * self.pi[x] + self.shift)
             f1 = f2 = s1 = s2 = -1  # the two cheapest Thunderbolt and slow ends (-1: none)
             for cost, u in fast_by_lat[x]:
                 if reach >> u & 1:
@@ -248,7 +265,10 @@ class _Bounds:
             return _UNREACHABLE
         take = max(missing, sum(1 for e in extra if e < 0))
         total += sum(extra[:take])
-        out = max(entered, (total + 1) // 2)
+        # An end's price is its hop's latency plus both nodes' pi and the shift, the same
+        # from either end: twice the path's latency is its ends' prices less ``penalty``
+        # (2 pi per end at each node, a shift per end), and ``total`` bounds those prices.
+        out = max(entered, (total - penalty + 1) // 2)
         self._lat_memo[key] = out
         return out
 
@@ -288,6 +308,7 @@ def search_steps(size: int, hop: list[list[Pair | None]], *, expansions_max: int
         if fewest.best is None:
             return None
         bounds.slow_min = fewest.best
+    _choose_prices(size, hop, bounds)
     value = _Value(size, hop, neighbours, bounds, budget)
     if fewest.best_path:  # its ring is a good first incumbent: it has the fewest slow hops
         value.best, value.best_path = _cost(hop, fewest.best_path), fewest.best_path
@@ -318,6 +339,45 @@ class _Budget:
         """Count one step; True when the slice is over (the caller yields)."""
         self.used += 1
         return self.slice is not None and self.used % self.slice == 0
+
+
+def _choose_prices(size: int, hop: list[list[Pair | None]], bounds: _Bounds) -> None:
+    """Use node prices for the latency bound when they raise it for the whole ring (they can
+    lower it, e.g. on a star, where every ring costs the same and the plain bound is exact)."""
+    whole = ((1 << size) - 1) & ~1
+    plain = bounds.latency(0, whole, bounds.slow_min)
+    pi = _penalties(size, hop, bounds.nb)
+    if any(pi):
+        bounds.reprice(pi)
+        if bounds.latency(0, whole, bounds.slow_min) <= plain:
+            bounds.reprice([0] * size)
+
+
+def _penalties(size: int, hop: list[list[Pair | None]], nb: list[list[int]]) -> list[int]:
+    """Node prices pi (1e-9 ms) for the latency bound (Held and Karp's Lagrangian idea, on
+    the two-cheapest-ends relaxation): a hop's price is its latency plus pi at both ends,
+    which changes every ring's price by the same 2 * sum(pi), so any pi gives a valid bound;
+    a node that other nodes' cheapest ends crowd into gets a higher price, one that none
+    reach a lower one. A few subgradient steps at the whole ring; the best pi is kept."""
+    pi = [0] * size
+    best_pi, best = pi, None
+    step = max(1, sum(min((hop[i][j].lat for j in nb[i]), default=0) for i in range(size)) // (4 * size))  # type: ignore[union-attr]
+    for _ in range(PENALTY_ROUNDS):
+        reached = [0] * size
+        total = 0
+        for x in range(size):
+            two = sorted((hop[x][u].lat + pi[u], u) for u in nb[x])[:2]  # type: ignore[union-attr]
+            total += sum(c for c, _ in two) + 2 * pi[x]
+            for _, u in two:
+                reached[u] += 1
+        value = total - 4 * sum(pi)  # twice the relaxation's bound on a ring
+        if best is None or value > best:
+            best, best_pi = value, pi[:]
+        if all(r == 2 for r in reached):
+            break  # every node reached exactly twice: nothing to move
+        pi = [p + step * (r - 2) for p, r in zip(pi, reached)]
+        step = max(1, step * 4 // 5)
+    return best_pi
 
 
 def _cost(hop: list[list[Pair | None]], path: list[int]) -> Cost:
