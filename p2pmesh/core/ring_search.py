@@ -82,7 +82,8 @@ class _Bounds:
     - Latency: each node still to enter, and node 0, is entered by one of its hops (its
       cheapest); and each hop has two ends, so half the cheapest way to give every node its
       ends (two for a node passed through, one for v and for 0) bounds the path, where at
-      least two ends per slow hop still needed are slow ones.
+      least two ends per slow hop still needed are slow ones. Ends are priced with node
+      prices (``reprice``, ``_penalties``) when those raise the bound for the whole ring.
     """
 
     def __init__(self, size: int, hop: list[list[Pair | None]]) -> None:
