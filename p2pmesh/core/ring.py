@@ -152,8 +152,8 @@ def _pairs(links: list[Link]) -> dict[frozenset[str], _PairHop]:
 
 def solve(nodes: list[str], links: list[Link], *, expansions_max: int | None = None) -> Ring:
     """The best ring through every node (see the module comment). ``expansions_max`` caps the
-    search (default: none up to EXACT_NODES_MAX nodes, where the search is bounded anyway;
-    EXPANSIONS_MAX above)."""
+    search steps (default: no cap up to EXACT_NODES_MAX nodes, where the search is bounded
+    anyway; EXPANSIONS_MAX above)."""
     steps = solve_steps(nodes, links, expansions_max=expansions_max, slice_steps=None)
     while True:
         try:
