@@ -44,7 +44,8 @@ def canned() -> dict[str, Any]:
               "merge_s": [1.8, 1.9, 1.7], "poll_s": 2.0, "election_max_ms": 300}
     ring = {"graphs": 30, "bare_ring_median_ms": 0.2,
             "rows": [{"label": "+8 links", "median_ms": 0.3, "max_ms": 0.7, "exact": 30, "graphs": 30},
-                     {"label": "star", "median_ms": 40.0, "max_ms": 60.0, "exact": 29, "graphs": 30}]}
+                     {"label": "star", "median_ms": 40.0, "max_ms": 60.0, "exact": 29, "graphs": 30}],
+            "leader": {"replans": 9, "max_step_ms": 21.0, "median_max_step_ms": 12.0, "max_solving_steps": 30}}
     netns = {"rounds": 5, "pull_s": [0.2, 0.25, 0.3], "plug_s": [0.3, 0.3, 0.3], "watch_period_s": 0.25, "status_rtt_s": 0.0002}
     sim_rings = {"seeds": 50, "failures": 0, "changes": 600, "cable_to_ring_ms": {"p50": 0.0, "p99": 206.0, "max": 245.0},
                  "member_to_ring_ms": {"p50": 1000.0, "p99": 1100.0, "max": 1150.0}}
@@ -125,6 +126,8 @@ def test_targets_and_misses_are_reported() -> None:
     assert find(rows, "S1 ")[3].startswith("<= 1.03x")
     star = find(rows, "16 nodes, star")
     assert star[3:5] == ["exact, <= 50 ms", "**no**"]
+    leader = find(rows, "longest leader step (Machine.handle()) over 9 re-plans")
+    assert leader[:5] == ["21.0 ms", "election timeout 150 ms", "0.140x", "<= 50 ms (a heartbeat)", "yes"]
     assert "**S2 misses >= 20% lower (0.811)**" in text and "18.9% faster" in text
     assert "**Simulator speed misses its targets**" in text
     assert "**Pipeline and hop latency depend on load**" in text

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import random
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from p2pmesh.core.cluster import empty_state, find_member
@@ -64,6 +65,7 @@ from p2pmesh.core.messages import (
     RemovalNotice,
     RemoveMember,
     SetModel,
+    SetRing,
     UpdateMember,
     StageFetched,
     Snapshot,
@@ -384,11 +386,13 @@ class Machine:
         self.router = Router(node_id)
         self._ring_checked_at: tuple[int, int] = (-1, -1)
         self._ring_settled: tuple[object, ...] | None = None
-        """The inputs of physical.negotiate (members, ring, hops) when it last found nothing
+        """The inputs of physical.negotiate_steps (members, ring, hops) when it last found nothing
         to propose: a pure function, so the same inputs need no new solve (most applied
         entries change neither)."""
         """(term, applied index) at which the leader last compared the ring (solving is
         the costliest pure step, so it runs once per state change, not per input)."""
+        self._ring_solving: tuple[tuple[object, ...], Generator[None, None, SetRing | None]] | None = None
+        """A solve spread over several steps (physical.negotiate_steps): its inputs, its rest."""
 
     # ------------------------------------------------------------------------------
     # Construction
@@ -882,7 +886,7 @@ class Machine:
         """Propose a new ring epoch when members, cables or addresses changed (leader only)."""
         r = self.raft
         assert r is not None
-        if r.transfer_to is not None or (r.term, r.applied) == self._ring_checked_at:
+        if r.transfer_to is not None or ((r.term, r.applied) == self._ring_checked_at and self._ring_solving is None):
             return
         index = self._inflight.get(("SetRing", ""))
         if index is not None and index > r.applied and r.log.last_index >= index:
@@ -890,8 +894,16 @@ class Machine:
         self._ring_checked_at = (r.term, r.applied)
         inputs = (r.state.members, r.state.ring, r.state.ring_hops)
         if inputs == self._ring_settled:
+            self._ring_solving = None
             return
-        proposal = physical.negotiate(r.state)
+        started_from = (*inputs, r.state.ring_epoch)  # the proposal names the next epoch
+        if self._ring_solving is None or self._ring_solving[0] != started_from:
+            self._ring_solving = (started_from, physical.negotiate_steps(r.state))
+        try:
+            next(self._ring_solving[1])
+            return  # one slice per step: the next step goes on, heartbeats keep flowing
+        except StopIteration as done:
+            proposal, self._ring_solving = done.value, None
         if proposal is None:
             self._ring_settled = inputs
         elif not self._propose_once(proposal, now_ms):
@@ -902,8 +914,8 @@ class Machine:
         one) when the committed state calls for it (leader only; core/dataplane.py)."""
         r = self.raft
         assert r is not None
-        if r.transfer_to is not None or (r.term, r.applied) == self._placement_checked_at:
-            return
+        if r.transfer_to is not None or (r.term, r.applied) == self._placement_checked_at or self._ring_solving is not None:
+            return  # (a ring being solved may change the placement: wait for it as for a SetRing)
         for key in (("SetPlacement", ""), ("ActivatePlacement", ""), ("SetRing", "")):
             index = self._inflight.get(key)
             if index is not None and index > r.applied and r.log.last_index >= index:

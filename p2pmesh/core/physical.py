@@ -20,20 +20,23 @@ epoch: an epoch change restarts the data-plane workers, which noise must not do.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Generator
 from dataclasses import dataclass
 
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import ClusterState, Member, PortInfo, RingHop, SetRing
-from p2pmesh.core.ring import KINDS, Link, Ring, RingError, solve
+from p2pmesh.core.ring import KINDS, Link, Ring, RingError, solve_steps
 
 NETWORK_KIND = "network"
 """A hop over whatever IP path the control plane uses (no known cable): the slowest kind."""
 NOMINAL_GBPS = {"thunderbolt": 40.0, "ethernet": 1.0, "wifi": 0.5, NETWORK_KIND: 0.1}
 """Assumed speed when a port does not report one."""
-NEGOTIATE_EXPANSIONS_MAX = 50_000
-"""The leader solves in its event loop: this caps the worst case (odd cablings such as one
-Mac cabled to every other) near 150 ms; realistic cablings solve exactly in about 1 ms
-(scripts/bench_ring.py). A capped search still returns the same ring on every node."""
+NEGOTIATE_SLICE_STEPS = 500
+"""The leader solves in its event loop, at most this many search steps per step of the
+machine (a few milliseconds), so a long solve is spread over several steps and heartbeats
+keep flowing (scripts/bench_ring.py measures the longest step). Up to 16 members the solve
+is exact; above, ring.py's step cap applies, and a capped search still returns the same ring
+on every node."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,15 +149,19 @@ def common_subnet(left: tuple[str, ...], right: tuple[str, ...]) -> tuple[str, s
     return None
 
 
-def negotiate(state: ClusterState) -> SetRing | None:
-    """The ring the leader should propose now, or None when the committed one is right."""
+def negotiate_steps(state: ClusterState) -> Generator[None, None, SetRing | None]:
+    """The ring the leader should propose now, or None when the committed one is right:
+    solved in slices of NEGOTIATE_SLICE_STEPS search steps, yielding between them (the
+    caller keeps the generator while ``state``'s members, ring, hops and epoch stay the
+    same, and advances it once per step of its machine)."""
     members = serving(state)
     if not members:
         return None
     links = cables(state, members)
     nodes = [m.node_id for m in members]
     try:
-        ring = solve(nodes, [Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in links], expansions_max=NEGOTIATE_EXPANSIONS_MAX)
+        ring = yield from solve_steps(nodes, [Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in links],
+                                      slice_steps=NEGOTIATE_SLICE_STEPS)
     except RingError:
         return None  # cannot happen with network links; never propose nonsense
     hops = _describe(ring, links, {m.node_id: m for m in members})

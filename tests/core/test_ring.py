@@ -9,9 +9,10 @@ import pytest
 from p2pmesh.core.ring import DEFAULT_RTT_MS, KINDS, Link, RingError, parse_graph, solve
 
 
-def _brute(nodes: list[str], links: list[Link]) -> tuple[tuple[int, float, float], tuple[str, ...]] | None:
-    """The best objective and, among the rings that reach it, the canonical smallest one."""
-    pair: dict[frozenset[str], tuple[int, float, float]] = {}
+def _brute(nodes: list[str], links: list[Link]) -> tuple[tuple[int, float, int], tuple[str, ...]] | None:
+    """The best objective (latency in whole 1e-9 ms) and, among the rings that reach it, the
+    canonical smallest one."""
+    pair: dict[frozenset[str], tuple[int, float, int]] = {}
     grouped: dict[frozenset[str], list[Link]] = {}
     for l in links:
         grouped.setdefault(frozenset((l.a, l.b)), []).append(l)
@@ -19,7 +20,7 @@ def _brute(nodes: list[str], links: list[Link]) -> tuple[tuple[int, float, float
         kind = min((l.kind for l in g), key=KINDS.index)
         same = [l for l in g if l.kind == kind]
         pair[p] = (0 if kind == "thunderbolt" else 1, sum(l.gbps for l in same),
-                   min(l.rtt_ms if l.rtt_ms is not None else DEFAULT_RTT_MS[l.kind] for l in same))
+                   round(min(l.rtt_ms if l.rtt_ms is not None else DEFAULT_RTT_MS[l.kind] for l in same) * 1e9))
     first, rest = sorted(nodes)[0], sorted(nodes)[1:]
     best = None
     for perm in itertools.permutations(rest):
@@ -27,7 +28,7 @@ def _brute(nodes: list[str], links: list[Link]) -> tuple[tuple[int, float, float
         hops = [pair.get(frozenset((cyc[i], cyc[(i + 1) % len(cyc)]))) for i in range(len(cyc))]
         if any(h is None for h in hops):
             continue
-        key = (sum(h[0] for h in hops), -min(h[1] for h in hops), round(sum(h[2] for h in hops), 9))  # type: ignore[index]
+        key = (sum(h[0] for h in hops), -min(h[1] for h in hops), sum(h[2] for h in hops))  # type: ignore[index]
         canonical = min(tuple(cyc), (cyc[0], *reversed(cyc[1:])))
         if best is None or (key, canonical) < best:
             best = (key, canonical)
@@ -91,7 +92,7 @@ def test_solver_matches_brute_force(shape: str) -> None:
             continue
         ring = solve(nodes, links)
         assert ring.exact
-        got = (len(ring.slow_hops), -ring.bottleneck_gbps, round(ring.latency_ms, 9))
+        got = (len(ring.slow_hops), -ring.bottleneck_gbps, sum(round(h.rtt_ms * 1e9) for h in ring.hops))
         assert (got, ring.order) == expected, (shape, trial, links)
         assert sorted(ring.order) == sorted(nodes) and ring.order[0] == min(nodes)
 
