@@ -7,7 +7,10 @@ Safety, checked on every Ready and every completed fsync:
 - committed = durable on a quorum: when any node acts on an applied entry, a majority of
   the voters of the configuration at that index hold it *on synced disk*;
 - state-machine safety: no two nodes apply different entries at one index;
-- leader completeness: a new leader holds every entry applied anywhere in its cluster;
+- leader completeness (Raft §5.4): a new leader of term T holds every entry that was
+  committed in a term below T (the term in which an entry was committed is the lowest term
+  in which any node applied it: a node learns a commit index only from a leader of its own
+  term, or is that leader);
 - hard state across restarts: a rebooted incarnation never has a lower term than any
   message it sent, nor a different vote in a term it voted in;
 - one pending membership change per leader, and config changes only once the leader has
@@ -52,6 +55,10 @@ class Checker:
         self.entries: dict[tuple[ClusterId, int, int], object] = {}
         self.applied: dict[tuple[ClusterId, int], tuple[int, object]] = {}
         self.applied_max: dict[ClusterId, int] = {}
+        self.commit_term: dict[tuple[ClusterId, int], int] = {}
+        """(cluster, index) -> the lowest term in which a node applied that entry: an upper
+        bound of the term it was committed in, so leader completeness never judges a leader
+        by an entry committed in its own term or later."""
         self.sent_hard: dict[tuple[NodeId, int], _HardSeen] = {}
         self.puts_acked: dict[ClusterId, dict[str, int]] = {}
         """cluster -> key -> virtual time (us) the write was acknowledged to its client."""
@@ -61,7 +68,7 @@ class Checker:
         self.markdowns: list[tuple[int, NodeId]] = []
         self.forbid_markdown = False
         self._was_leader: set[tuple[NodeId, int, int]] = set()
-        self._producer: dict[int, object] = {}
+        self._producer: dict[int, tuple[object, int]] = {}
 
     def fail(self, invariant: str, detail: str) -> None:
         raise InvariantViolated(invariant, detail)
@@ -89,9 +96,10 @@ class Checker:
         if r is None:
             self._producer.pop(id(ready), None)  # ids are reused: never judge by a stale entry
             return
-        # Remember which log produced this Ready: it is judged when its fsync completes,
-        # by which time the node may have switched to another cluster's log.
-        self._producer[id(ready)] = r
+        # Remember which log produced this Ready, and its term: it is judged when its fsync
+        # completes, by which time the node may have switched to another cluster's log or
+        # moved to a later term (the entries it applies were committed by this term).
+        self._producer[id(ready)] = (r, r.term)
         cluster = r.cluster
         for e in ready.log_entries:
             key = (cluster, e.index, e.term)
@@ -114,13 +122,7 @@ class Checker:
         stamp = (node.node_id, r.me.inc, r.term)
         if stamp not in self._was_leader:
             self._was_leader.add(stamp)
-            upto = self.applied_max.get(r.cluster, 0)
-            for index in range(r.log.snapshot.index + 1, upto + 1):
-                rec = self.applied.get((r.cluster, index))
-                if rec is not None and r.log.term_at(index) != rec[0]:
-                    self.fail("leader-completeness", f"{node.name} leads term {r.term} without committed entry {index}")
-            if upto > r.log.last_index:
-                self.fail("leader-completeness", f"{node.name} leads term {r.term} with log ending at {r.log.last_index} < {upto}")
+            self._check_leader_completeness(node, r)
         if r.pending_conf_index > r.commit and r.log.term_at(r.pending_conf_index) == r.term:
             # This leader appended a config entry that is still uncommitted: it must be the
             # only uncommitted one, and the leader must have committed its term first.
@@ -133,9 +135,31 @@ class Checker:
                 if e.term == r.term and isinstance(e.command, CONFIG_COMMANDS):
                     self.fail("config-after-own-term-commit", f"{node.name} appended a config change before committing its term")
 
+    def _check_leader_completeness(self, node: SimNode, r: object) -> None:
+        """Raft's Leader Completeness (§5.4): an entry committed in term C is in the log of
+        every leader of a term above C. A leader of term T may lack an entry committed in T
+        or later: it can win with vote grants delivered late, after a higher term committed
+        a conflicting entry, and steps down at that term's next message (seed 1147)."""
+        from p2pmesh.core.raft import Raft
+
+        assert isinstance(r, Raft)
+        cluster, term, log = r.cluster, r.term, r.log
+        upto = self.applied_max.get(cluster, 0)
+        last = log.last_index
+        for index in range(upto, log.snapshot.index, -1):
+            ct = self.commit_term.get((cluster, index))
+            if ct is not None and ct < term:
+                if index > last:
+                    self.fail("leader-completeness", f"{node.name} leads term {term} with log ending at {last} < {index}")
+                break
+        for index in range(log.snapshot.index + 1, min(upto, last) + 1):
+            ct = self.commit_term.get((cluster, index))
+            if ct is not None and ct < term and log.term_at(index) != self.applied[(cluster, index)][0]:
+                self.fail("leader-completeness", f"{node.name} leads term {term} without committed entry {index}")
+
     def after_sync(self, node: SimNode, ready: Ready) -> None:
         m = node.machine
-        r = self._producer.pop(id(ready), None)
+        produced = self._producer.pop(id(ready), None)
         if m is None:
             return
         synced = node.disk.synced
@@ -151,10 +175,11 @@ class Checker:
                 seen.term = hdr.term
             if isinstance(msg, VoteResponse) and msg.granted and not msg.prevote:
                 seen.votes[hdr.term] = hdr.dst
-        if r is None:
+        if produced is None:
             return
+        r, term = produced
         for e in ready.applied:
-            self._check_applied(node, r, e)
+            self._check_applied(node, r, e, term)
         for ctx, ok in ready.reads:
             issued = self.reads_issued.pop((node.node_id, ctx), None)
             if ok and issued is not None:
@@ -179,7 +204,7 @@ class Checker:
             if synced.entry_term(msg.index) is None:  # type: ignore[attr-defined]
                 self.fail("persist-before-send", f"{node.name} acknowledged index {msg.index} before persisting it")
 
-    def _check_applied(self, node: SimNode, r: object, e: object) -> None:
+    def _check_applied(self, node: SimNode, r: object, e: object, term: int) -> None:
         from p2pmesh.core.messages import Entry
         from p2pmesh.core.raft import Raft
 
@@ -189,10 +214,13 @@ class Checker:
         if rec is None:
             self._check_durable_quorum(node, r, e)
             self.applied[key] = (e.term, e.command)
+            self.commit_term[key] = term
             if e.index > self.applied_max.get(r.cluster, 0):
                 self.applied_max[r.cluster] = e.index
         elif rec != (e.term, e.command):
             self.fail("state-machine-safety", f"{node.name} applied a different entry at index {e.index}")
+        elif term < self.commit_term[key]:
+            self.commit_term[key] = term
         cmd = e.command
         if isinstance(cmd, Put):
             if self.puts_pending.pop((node.node_id, cmd.key), None) is not None:
