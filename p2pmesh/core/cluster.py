@@ -10,6 +10,7 @@ replaying the same log gets the same result.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import replace
 
 from p2pmesh.core.ids import ClusterId, NodeId
@@ -113,10 +114,7 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
     if isinstance(cmd, (SetModel, SetPlacement, WorkerReady, ActivatePlacement, WorkerFailed, StageFetched)):
         return _apply_dataplane(state, cmd)
     if isinstance(cmd, Put):
-        kv = dict(state.kv)
-        if cmd.key in kv or len(kv) < KV_KEYS_MAX:
-            kv[cmd.key] = cmd.value
-        return replace(state, kv=tuple(sorted(kv.items())))
+        return replace(state, kv=_put(state.kv, cmd.key, cmd.value))
     raise AssertionError(f"unknown command {cmd!r}")
 
 
@@ -178,6 +176,17 @@ def _update_member(m: Member, cmd: Promote | MarkDown | MarkUp | UpdateMember | 
     if isinstance(cmd, PublishMeasure):
         return replace(m, measure=cmd.measure)
     return replace(m, addresses=cmd.addresses, caps=cmd.caps)
+
+
+def _put(kv: tuple[tuple[str, str], ...], key: str, value: str) -> tuple[tuple[str, str], ...]:
+    """kv (sorted by key, keys unique) with key set to value; a new key only below
+    KV_KEYS_MAX. A binary search, not a sort: every member applies every Put."""
+    i = bisect_left(kv, (key,))
+    if i < len(kv) and kv[i][0] == key:
+        return (*kv[:i], (key, value), *kv[i + 1 :])
+    if len(kv) >= KV_KEYS_MAX:
+        return kv
+    return (*kv[:i], (key, value), *kv[i:])
 
 
 def _sorted(members: tuple[Member, ...]) -> tuple[Member, ...]:

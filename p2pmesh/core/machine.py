@@ -103,6 +103,15 @@ class FrameReceived:
 
 
 @dataclass(frozen=True, slots=True)
+class MessageReceived:
+    """A message from ``peer`` that this process's own driver encoded (the simulator): no
+    frame to decode, but the same semantic checks as a frame's. The agent never makes one."""
+
+    peer: NodeId
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
 class PeerDiscovered:
     node_id: NodeId
     addresses: tuple[str, ...]
@@ -208,6 +217,7 @@ class WorkerCrashed:
 
 Input = (
     FrameReceived
+    | MessageReceived
     | PeerDiscovered
     | PeerVanished
     | TimerFired
@@ -478,6 +488,8 @@ class Machine:
             return self._take_ready()
         if isinstance(event, FrameReceived):
             self._on_frame(event, now_ms)
+        elif isinstance(event, MessageReceived):
+            self.receive(event.peer, event.message, now_ms)
         elif isinstance(event, TimerFired):
             self._on_timer(now_ms)
         elif isinstance(event, PeerDiscovered):
@@ -928,6 +940,9 @@ class Machine:
 
     def _route(self, now_ms: int) -> None:
         """Move inference requests along (core/serving.py) and collect their effects."""
+        router = self.router
+        if not (router.origins or router.served or router.messages or router.submits or router.client):
+            return  # nothing in flight and nothing to collect: tick and take would do nothing
         r = self.raft
         state = r.state if r is not None and self.mode is Mode.MEMBER else None
         head = dataplane.head(state) if state is not None else None

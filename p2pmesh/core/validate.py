@@ -92,6 +92,9 @@ def _entries(entries: tuple[Entry, ...], prev_index: int, prev_term: int, term: 
 def _snapshot(s: Snapshot, term: int) -> str | None:
     if s.index < 0 or s.term < 0 or s.term > term or (s.index == 0) != (s.term == 0):
         return "snapshot with impossible index or term"
+    kv = s.state.kv
+    if any(kv[i][0] >= kv[i + 1][0] for i in range(len(kv) - 1)):
+        return "snapshot keys are not sorted and unique"  # Puts apply by binary search (cluster.py)
     return None
 
 
