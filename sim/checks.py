@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.machine import Ready
-from p2pmesh.core.messages import CONFIG_COMMANDS, MarkDown, Put, VoteResponse
-from p2pmesh.core.raft import Role
+from p2pmesh.core.messages import CONFIG_COMMANDS, AppendResponse, Entry, MarkDown, Peer, Put, VoteResponse
+from p2pmesh.core.raft import Raft, Role
 
 if TYPE_CHECKING:
     from sim.world import SimNode, World
@@ -68,7 +68,7 @@ class Checker:
         self.markdowns: list[tuple[int, NodeId]] = []
         self.forbid_markdown = False
         self._was_leader: set[tuple[NodeId, int, int]] = set()
-        self._producer: dict[int, tuple[object, int]] = {}
+        self._producer: dict[int, tuple[Raft, int]] = {}
 
     def fail(self, invariant: str, detail: str) -> None:
         raise InvariantViolated(invariant, detail)
@@ -96,10 +96,13 @@ class Checker:
         if r is None:
             self._producer.pop(id(ready), None)  # ids are reused: never judge by a stale entry
             return
-        # Remember which log produced this Ready, and its term: it is judged when its fsync
-        # completes, by which time the node may have switched to another cluster's log or
-        # moved to a later term (the entries it applies were committed by this term).
-        self._producer[id(ready)] = (r, r.term)
+        if ready.applied or ready.reads:
+            # Remember which log produced this Ready, and its term: its applied entries and
+            # reads are judged when its fsync completes, by which time the node may have
+            # switched to another cluster's log or moved to a later term (the entries it
+            # applies were committed by this term). A stale entry left under a reused id
+            # is overwritten here, or belongs to a Ready with nothing to judge.
+            self._producer[id(ready)] = (r, r.term)
         cluster = r.cluster
         for e in ready.log_entries:
             key = (cluster, e.index, e.term)
@@ -111,10 +114,7 @@ class Checker:
         if r.role is Role.LEADER:
             self._check_leader(node, r, ready)
 
-    def _check_leader(self, node: SimNode, r: object, ready: Ready) -> None:
-        from p2pmesh.core.raft import Raft
-
-        assert isinstance(r, Raft)
+    def _check_leader(self, node: SimNode, r: Raft, ready: Ready) -> None:
         key = (r.cluster, r.term)
         holder = self.leaders.setdefault(key, node.node_id)
         if holder != node.node_id:
@@ -135,14 +135,11 @@ class Checker:
                 if e.term == r.term and isinstance(e.command, CONFIG_COMMANDS):
                     self.fail("config-after-own-term-commit", f"{node.name} appended a config change before committing its term")
 
-    def _check_leader_completeness(self, node: SimNode, r: object) -> None:
+    def _check_leader_completeness(self, node: SimNode, r: Raft) -> None:
         """Raft's Leader Completeness (§5.4): an entry committed in term C is in the log of
         every leader of a term above C. A leader of term T may lack an entry committed in T
         or later: it can win with vote grants delivered late, after a higher term committed
         a conflicting entry, and steps down at that term's next message (seed 1147)."""
-        from p2pmesh.core.raft import Raft
-
-        assert isinstance(r, Raft)
         cluster, term, log = r.cluster, r.term, r.log
         upto = self.applied_max.get(cluster, 0)
         last = log.last_index
@@ -163,18 +160,33 @@ class Checker:
         if m is None:
             return
         synced = node.disk.synced
+        hard = synced.hard
+        seen: _HardSeen | None = None
+        seen_inc = -1
         for _, msg in ready.messages:
+            # The persistence contract: what a message asserts is on synced disk first.
             hdr = getattr(msg, "hdr", None)
             if hdr is None or getattr(msg, "prevote", False):
                 continue  # pre-votes name a term the sender has not (and need not) adopt
-            self._check_persisted_before_send(node, synced, msg, hdr)
-            seen = self.sent_hard.get((node.node_id, hdr.src_inc))
-            if seen is None:
-                seen = self.sent_hard[(node.node_id, hdr.src_inc)] = _HardSeen()
-            if hdr.term > seen.term:
-                seen.term = hdr.term
-            if isinstance(msg, VoteResponse) and msg.granted and not msg.prevote:
-                seen.votes[hdr.term] = hdr.dst
+            term = hdr.term
+            if hard is None or hard.term < term:
+                self.fail("persist-before-send", f"{node.name} sent term {term} before persisting it")
+            if type(msg) is AppendResponse:
+                if msg.success and msg.index > 0 and synced.entry_term(msg.index) is None:
+                    self.fail("persist-before-send", f"{node.name} acknowledged index {msg.index} before persisting it")
+            elif type(msg) is VoteResponse and msg.granted:
+                if hard.term != term or hard.vote is None or hard.vote.node_id != hdr.dst:
+                    self.fail("persist-before-send", f"{node.name} granted a vote in term {term} before persisting it")
+            if hdr.src_inc != seen_inc:  # a Ready's messages come from one incarnation
+                seen_inc = hdr.src_inc
+                seen = self.sent_hard.get((node.node_id, seen_inc))
+                if seen is None:
+                    seen = self.sent_hard[(node.node_id, seen_inc)] = _HardSeen()
+            assert seen is not None
+            if term > seen.term:
+                seen.term = term
+            if type(msg) is VoteResponse and msg.granted:
+                seen.votes[term] = hdr.dst
         if produced is None:
             return
         r, term = produced
@@ -189,26 +201,7 @@ class Checker:
                     if acked_us < issued and key not in visible:
                         self.fail("linearizable-read", f"{node.name} read at ctx {ctx} misses write {key} acknowledged before it")
 
-    def _check_persisted_before_send(self, node: SimNode, synced: object, msg: object, hdr: object) -> None:
-        """The persistence contract: what a message asserts is on synced disk first."""
-        from p2pmesh.core.messages import AppendResponse, Header
-
-        assert isinstance(hdr, Header)
-        hard = synced.hard  # type: ignore[attr-defined]
-        if hard is None or hard.term < hdr.term:
-            self.fail("persist-before-send", f"{node.name} sent term {hdr.term} before persisting it")
-        if isinstance(msg, VoteResponse) and msg.granted:
-            if hard.term != hdr.term or hard.vote is None or hard.vote.node_id != hdr.dst:
-                self.fail("persist-before-send", f"{node.name} granted a vote in term {hdr.term} before persisting it")
-        elif isinstance(msg, AppendResponse) and msg.success and msg.index > 0:
-            if synced.entry_term(msg.index) is None:  # type: ignore[attr-defined]
-                self.fail("persist-before-send", f"{node.name} acknowledged index {msg.index} before persisting it")
-
-    def _check_applied(self, node: SimNode, r: object, e: object, term: int) -> None:
-        from p2pmesh.core.messages import Entry
-        from p2pmesh.core.raft import Raft
-
-        assert isinstance(r, Raft) and isinstance(e, Entry)
+    def _check_applied(self, node: SimNode, r: Raft, e: Entry, term: int) -> None:
         key = (r.cluster, e.index)
         rec = self.applied.get(key)
         if rec is None:
@@ -230,11 +223,7 @@ class Checker:
             if self.forbid_markdown:
                 self.fail("no-false-down", f"{cmd.node_id[:8]} marked down although it never went silent")
 
-    def _check_durable_quorum(self, node: SimNode, r: object, e: object) -> None:
-        from p2pmesh.core.messages import Entry
-        from p2pmesh.core.raft import Raft
-
-        assert isinstance(r, Raft) and isinstance(e, Entry)
+    def _check_durable_quorum(self, node: SimNode, r: Raft, e: Entry) -> None:
         if e.index <= 2 and e.term == 1:
             return  # the bootstrap entries of a founder's log, committed by construction
         # With one-at-a-time changes a leader commits under the latest configuration in its
@@ -251,10 +240,7 @@ class Checker:
             f"{node.name} applied index {e.index} held durably by {worst[0]} of {worst[1]} voters",
         )
 
-    def _holds(self, voter: object, cluster: ClusterId, index: int, term: int) -> bool:
-        from p2pmesh.core.messages import Peer
-
-        assert isinstance(voter, Peer)
+    def _holds(self, voter: Peer, cluster: ClusterId, index: int, term: int) -> bool:
         peer = self.world.by_id.get(voter.node_id)
         if peer is None:
             return False

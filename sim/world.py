@@ -313,21 +313,8 @@ class World:
 
     def _synced(self, node: SimNode, ready: Ready) -> None:
         node.disk.sync(through=ready)
-        src = node.node_id
-        sent: dict[int, Any] = {}
-        for dst, message in ready.messages:
-            data = sent.get(id(message))
-            if data is None:
-                data = sent[id(message)] = self._wire(message)
-            target = self.by_id.get(dst)
-            if target is None:
-                continue
-            for delay in self.net.deliveries(src, dst):
-                at = self.now_us + delay
-                if self.fifo_types and isinstance(message, self.fifo_types):
-                    at = max(at, self.fifo_at.get((src, dst), 0))
-                    self.fifo_at[(src, dst)] = at
-                self._push(at, DELIVER, target.index, (src, data))
+        if ready.messages:
+            self._send(node.node_id, ready.messages)
         self.checker.after_sync(node, ready)
         for obs in self.observers:
             obs(node, ready)
@@ -338,13 +325,34 @@ class World:
             node.gen += 1
             self._log(node, "stopped after leaving", "")
 
+    def _send(self, src: NodeId, messages: list[tuple[NodeId, Any]]) -> None:
+        """Put a synced Ready's messages on the network (the hottest loop of the world)."""
+        now, by_id, deliveries, fifo_types, queue = self.now_us, self.by_id, self.net.deliveries, self.fifo_types, self.queue
+        sent: dict[int, Any] = {}
+        for dst, message in messages:
+            out = sent.get(id(message))
+            if out is None:
+                self._wire_sent += 1
+                if type(message) in self._wire_types and self._wire_sent % WIRE_CHECK_EVERY:
+                    out = message
+                else:
+                    out = self._wire(message)
+                sent[id(message)] = out
+            target = by_id.get(dst)
+            if target is None:
+                continue
+            for delay in deliveries(src, dst):
+                at = now + delay
+                if fifo_types and isinstance(message, fifo_types):
+                    at = max(at, self.fifo_at.get((src, dst), 0))
+                    self.fifo_at[(src, dst)] = at
+                self.seq += 1
+                heapq.heappush(queue, (at, self.seq, DELIVER, target.index, (src, out)))
+
     def _wire(self, message: Any) -> Any:
-        """What the receivers get for one sent message: by sample, the message decoded from
-        its frame after checking it decodes to what was sent; else the message itself."""
-        self._wire_sent += 1
+        """A sampled message's trip through the codec: encoded, decoded with every schema
+        check, and compared with what was sent; the receivers get the decoded copy."""
         kind = type(message)
-        if kind in self._wire_types and self._wire_sent % WIRE_CHECK_EVERY:
-            return message
         self._wire_types.add(kind)
         self.wire_checked += 1
         try:

@@ -915,6 +915,8 @@ class Machine:
         r = self.raft
         if r is None or self.mode is not Mode.MEMBER or self.leaving or r.leader is None:
             return
+        if self.measure is None and not self.fetched and not self.loaded and not self.crashed:
+            return  # nothing measured or reported by workers: nothing to publish (a hot path)
         mine = find_member(r.state, self.node_id)
         if mine is None or mine.inc != self.inc:
             return
