@@ -285,7 +285,7 @@ class World:
     def _process_ready(self, node: SimNode, ready: Ready) -> None:
         machine = node.machine
         assert machine is not None
-        durable = SimDisk.has_durable_part(ready)
+        durable = ready.hard is not None or ready.snapshot is not None or ready.log_truncate_from is not None
         self.checker.after_handle(node, ready)
         if self.trace is not None or ready.events:
             for ev in ready.events:

@@ -52,6 +52,7 @@ from p2pmesh.core.messages import (
     MarkDown,
     Measure,
     MarkUp,
+    Member,
     ModelInfo,
     MESSAGE_TYPES,
     Message,
@@ -382,6 +383,7 @@ class Machine:
         self.router = Router(node_id)
         self._ring_checked_at: tuple[int, int] = (-1, -1)
         self._ring_settled: tuple[object, ...] | None = None
+        self._ring_plan: tuple[tuple[Member, ...], physical.RingPlan | None] | None = None
         """The inputs of physical.negotiate (members, ring, hops) when it last found nothing
         to propose: a pure function, so the same inputs need no new solve (most applied
         entries change neither)."""
@@ -556,13 +558,16 @@ class Machine:
             self.rejected_frames += 1  # a registered value that is not a message
             self.malformed_frames += 1
             return
-        claimed = msg.hdr.src if hasattr(msg, "hdr") else msg.src  # type: ignore[union-attr]
+        hdr = getattr(msg, "hdr", None)  # Raft's messages have a header, the others not
+        claimed = msg.src if hdr is None else hdr.src  # type: ignore[union-attr]
         if claimed != peer or validate.problem(msg) is not None:
             self.rejected_frames += 1  # a peer claiming another node's id, or nonsense
             self.malformed_frames += 1
             return
         self.last_heard[peer] = now_ms
-        if isinstance(msg, Hello):
+        if hdr is not None:
+            self._on_raft_message(msg, now_ms)
+        elif isinstance(msg, Hello):
             self._on_hello(msg, now_ms)
         elif isinstance(msg, JoinRequest):
             self._on_join_request(msg, now_ms)
@@ -572,8 +577,6 @@ class Machine:
             self._on_removal_notice(peer, msg, now_ms)
         elif isinstance(msg, (InferRequest, InferTokens)):
             self._on_infer(peer, msg, now_ms)
-        else:
-            self._on_raft_message(msg, now_ms)
 
     def _on_infer(self, peer: NodeId, msg: InferRequest | InferTokens, now_ms: int) -> None:
         r = self.raft
@@ -888,7 +891,10 @@ class Machine:
         inputs = (r.state.members, r.state.ring, r.state.ring_hops)
         if inputs == self._ring_settled:
             return
-        proposal = physical.negotiate(r.state)
+        up = tuple(m for m in r.state.members if m.up)
+        if self._ring_plan is None or self._ring_plan[0] != up:
+            self._ring_plan = (up, physical.plan_ring(r.state))  # the costly part: the solve
+        proposal = physical.negotiate(r.state, self._ring_plan[1])
         if proposal is None:
             self._ring_settled = inputs
         elif not self._propose_once(proposal, now_ms):

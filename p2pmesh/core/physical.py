@@ -146,8 +146,12 @@ def common_subnet(left: tuple[str, ...], right: tuple[str, ...]) -> tuple[str, s
     return None
 
 
-def negotiate(state: ClusterState) -> SetRing | None:
-    """The ring the leader should propose now, or None when the committed one is right."""
+RingPlan = tuple[tuple[NodeId, ...], tuple[RingHop, ...]]
+
+
+def plan_ring(state: ClusterState) -> RingPlan | None:
+    """The ring order and hops over the members that are up (a function of those members
+    alone, so a leader may keep it while they stay the same), or None when there is none."""
     members = serving(state)
     if not members:
         return None
@@ -157,10 +161,20 @@ def negotiate(state: ClusterState) -> SetRing | None:
         ring = solve(nodes, [Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in links], expansions_max=NEGOTIATE_EXPANSIONS_MAX)
     except RingError:
         return None  # cannot happen with network links; never propose nonsense
-    hops = _describe(ring, links, {m.node_id: m for m in members})
-    if ring.order == state.ring and _identity(hops) == _identity(state.ring_hops):
+    return tuple(NodeId(n) for n in ring.order), _describe(ring, links, {m.node_id: m for m in members})
+
+
+def negotiate(state: ClusterState, plan: RingPlan | None = None) -> SetRing | None:
+    """The ring the leader should propose now, or None when the committed one is right.
+    ``plan``: plan_ring(state), when the caller kept it for the same members."""
+    if plan is None:
+        plan = plan_ring(state)
+    if plan is None:
         return None
-    return SetRing(state.ring_epoch + 1, tuple(NodeId(n) for n in ring.order), hops)
+    order, hops = plan
+    if order == state.ring and _identity(hops) == _identity(state.ring_hops):
+        return None
+    return SetRing(state.ring_epoch + 1, order, hops)
 
 
 def _identity(hops: tuple[RingHop, ...]) -> tuple[tuple[object, ...], ...]:
