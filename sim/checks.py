@@ -67,7 +67,7 @@ class Checker:
         self.reads_ok = 0
         self.markdowns: list[tuple[int, NodeId]] = []
         self.forbid_markdown = False
-        self._was_leader: set[tuple[NodeId, int, int]] = set()
+        self._was_leader: set[tuple[ClusterId, NodeId, int, int]] = set()
         self._producer: dict[int, tuple[Raft, int]] = {}
 
     def fail(self, invariant: str, detail: str) -> None:
@@ -115,12 +115,12 @@ class Checker:
             self._check_leader(node, r, ready)
 
     def _check_leader(self, node: SimNode, r: Raft, ready: Ready) -> None:
-        key = (r.cluster, r.term)
-        holder = self.leaders.setdefault(key, node.node_id)
-        if holder != node.node_id:
-            self.fail("election-safety", f"two leaders in term {r.term}: {holder[:8]} and {node.node_id[:8]}")
-        stamp = (node.node_id, r.me.inc, r.term)
+        stamp = (r.cluster, node.node_id, r.me.inc, r.term)
         if stamp not in self._was_leader:
+            # First seen leading this term: judged once (the holder of a term never changes).
+            holder = self.leaders.setdefault((r.cluster, r.term), node.node_id)
+            if holder != node.node_id:
+                self.fail("election-safety", f"two leaders in term {r.term}: {holder[:8]} and {node.node_id[:8]}")
             self._was_leader.add(stamp)
             self._check_leader_completeness(node, r)
         if r.pending_conf_index > r.commit and r.log.term_at(r.pending_conf_index) == r.term:

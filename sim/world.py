@@ -276,7 +276,7 @@ class World:
             gen, event = payload
             if gen != node.gen:
                 return
-        ready = node.machine.handle(event, self.now_ms)
+        ready = node.machine.handle(event, self.now_us // 1000)
         self._process_ready(node, ready)
 
     # ------------------------------------------------------------------------------

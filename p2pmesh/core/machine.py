@@ -52,7 +52,6 @@ from p2pmesh.core.messages import (
     MarkDown,
     Measure,
     MarkUp,
-    Member,
     ModelInfo,
     MESSAGE_TYPES,
     Message,
@@ -383,7 +382,7 @@ class Machine:
         self.router = Router(node_id)
         self._ring_checked_at: tuple[int, int] = (-1, -1)
         self._ring_settled: tuple[object, ...] | None = None
-        self._ring_plan: tuple[tuple[Member, ...], physical.RingPlan | None] | None = None
+        self._ring_plan: tuple[tuple[tuple[object, ...], ...], physical.RingPlan | None] | None = None
         """The inputs of physical.negotiate (members, ring, hops) when it last found nothing
         to propose: a pure function, so the same inputs need no new solve (most applied
         entries change neither)."""
@@ -891,9 +890,9 @@ class Machine:
         inputs = (r.state.members, r.state.ring, r.state.ring_hops)
         if inputs == self._ring_settled:
             return
-        up = tuple(m for m in r.state.members if m.up)
-        if self._ring_plan is None or self._ring_plan[0] != up:
-            self._ring_plan = (up, physical.plan_ring(r.state))  # the costly part: the solve
+        used = physical.plan_inputs(r.state)
+        if self._ring_plan is None or self._ring_plan[0] != used:
+            self._ring_plan = (used, physical.plan_ring(r.state))  # the costly part: the solve
         proposal = physical.negotiate(r.state, self._ring_plan[1])
         if proposal is None:
             self._ring_settled = inputs

@@ -149,9 +149,15 @@ def common_subnet(left: tuple[str, ...], right: tuple[str, ...]) -> tuple[str, s
 RingPlan = tuple[tuple[NodeId, ...], tuple[RingHop, ...]]
 
 
+def plan_inputs(state: ClusterState) -> tuple[tuple[object, ...], ...]:
+    """Everything plan_ring reads: of each member that is up, its id, ports, probes and
+    addresses. A leader keeps its plan while these stay the same (the solve is costly)."""
+    return tuple((m.node_id, m.ports, m.probes, m.addresses) for m in state.members if m.up)
+
+
 def plan_ring(state: ClusterState) -> RingPlan | None:
-    """The ring order and hops over the members that are up (a function of those members
-    alone, so a leader may keep it while they stay the same), or None when there is none."""
+    """The ring order and hops over the members that are up (a function of plan_inputs
+    alone), or None when there is none."""
     members = serving(state)
     if not members:
         return None

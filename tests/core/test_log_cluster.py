@@ -1,6 +1,7 @@
 """RaftLog bookkeeping and the pure functions of cluster.py."""
 from __future__ import annotations
 
+import dataclasses
 from unittest.mock import patch
 
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 
 from p2pmesh.core.cluster import (
     KV_KEYS_MAX,
+    _replace,
     apply_command,
     apply_config_command,
     config_of,
@@ -434,6 +436,15 @@ def test_a_snapshot_whose_keys_are_not_sorted_and_unique_is_refused() -> None:
     assert problem(snap((("a", "1"), ("b", "2")))) is None
     assert problem(snap((("b", "1"), ("a", "2")))) == "snapshot keys are not sorted and unique"
     assert problem(snap((("a", "1"), ("a", "2")))) == "snapshot keys are not sorted and unique"
+
+
+def test_fast_replace_matches_dataclasses_replace_and_refuses_unknown_fields() -> None:
+    state = ClusterState(CL, (Member(A, 1, voter=True, up=True, addresses=("10.0.0.1",), caps=CAPS),), 3, (A,), (("k", "v"),))
+    assert _replace(state, kv=(), ring_epoch=4) == dataclasses.replace(state, kv=(), ring_epoch=4)
+    member = state.members[0]
+    assert _replace(member, up=False) == dataclasses.replace(member, up=False) and member.up
+    with pytest.raises(TypeError, match="no field"):
+        _replace(state, voters=())
 
 
 def test_config_of_state_matches_log_config_for_the_same_commands() -> None:
