@@ -43,8 +43,8 @@ from sim.network import LinkProfile, Network
 
 TIMER, DELIVER, SYNCED, CALL = 0, 1, 2, 3
 FSYNC_US = 200
-WIRE_CHECK_EVERY = 8
-"""The first message of each type in a world, and every 8th message, makes the full trip
+WIRE_CHECK_EVERY = 16
+"""The first message of each type in a world, and every 16th message, makes the full trip
 through the wire codec: encoded, decoded with every schema check, and compared with what
 the sender made (invariant ``wire-roundtrip``). Decoding every message cost a seventh of
 the simulator's time and checked less: the decoded copy was never compared."""
