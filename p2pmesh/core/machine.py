@@ -532,7 +532,9 @@ class Machine:
                     self.leave_deadline_ms += self.settings.drain_timeout_ms
             self._drive_leave(now_ms)
         self._after(now_ms)
-        self._route(now_ms)
+        router = self.router
+        if router.origins or router.served or router.messages or router.submits or router.client:
+            self._route(now_ms)  # (else nothing in flight and nothing to collect: a hot path)
         return self._take_ready()
 
     def _take_ready(self) -> Ready:
@@ -947,9 +949,6 @@ class Machine:
 
     def _route(self, now_ms: int) -> None:
         """Move inference requests along (core/serving.py) and collect their effects."""
-        router = self.router
-        if not (router.origins or router.served or router.messages or router.submits or router.client):
-            return  # nothing in flight and nothing to collect: tick and take would do nothing
         r = self.raft
         state = r.state if r is not None and self.mode is Mode.MEMBER else None
         head = dataplane.head(state) if state is not None else None
