@@ -382,10 +382,11 @@ class Machine:
         self.router = Router(node_id)
         self._ring_checked_at: tuple[int, int] = (-1, -1)
         self._ring_settled: tuple[object, ...] | None = None
-        self._ring_plan: tuple[tuple[tuple[object, ...], ...], physical.RingPlan | None] | None = None
         """The inputs of physical.negotiate (members, ring, hops) when it last found nothing
         to propose: a pure function, so the same inputs need no new solve (most applied
         entries change neither)."""
+        self._ring_plan: tuple[tuple[tuple[object, ...], ...], physical.RingPlan | None] | None = None
+        """(physical.plan_inputs, physical.plan_ring) of the last solve, kept while its inputs stay."""
         """(term, applied index) at which the leader last compared the ring (solving is
         the costliest pure step, so it runs once per state change, not per input)."""
 
