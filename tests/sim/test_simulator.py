@@ -87,6 +87,16 @@ def test_leader_completeness_judges_only_entries_committed_in_earlier_terms() ->
     assert checker.applied[(cluster, 49)][0] == 5 and checker.commit_term[(cluster, 49)] == 5
 
 
+def test_an_entry_committed_just_before_a_removal_is_judged_under_the_configuration_it_was_committed_in() -> None:
+    """Seed 9211: leader n4 commits entries 197-201 under 5 voters (n2, n3 and itself hold
+    them) and, in the same input, appends the removal of n2; when 197 is first applied the
+    latest configuration has 4 voters (2 hold it) and the one at index 197 had 6 (3 hold
+    it). The commit was valid: committed-is-durable also counts the configurations in
+    between."""
+    result = run_seed(9211, nodes=5, duration_s=10, faults=FAULT_KINDS)
+    assert result.violation is None, f"{result.violation}: {result.detail}"
+
+
 def test_plants_command_lists_at_least_eight() -> None:
     proc = subprocess.run([sys.executable, "-m", "sim", "plants"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     names = proc.stdout.split()
