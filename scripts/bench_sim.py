@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark the simulator and the membership figures it measures.
 
-    .venv/bin/python scripts/bench_sim.py [--seeds 200] [--workers 2] [--out FILE]
+    .venv/bin/python scripts/bench_sim.py [--seeds 200] [--workers 2] [--out FILE] [--against REV]
 
 Runs one sweep of seeds x 10 simulated seconds, 5 nodes, all faults, and prints (and with
 --out writes as Markdown) the figures as ratios against baselines measured in the same run:
@@ -11,7 +11,11 @@ Runs one sweep of seeds x 10 simulated seconds, 5 nodes, all faults, and prints 
   election timeout, 0.1-1 ms links) vs the election timeout floor and etcd's default
   1000 ms election timeout (anchor);
 - detection of a silent member (committed MarkDown) and join-to-voter times vs targets;
-- a 10%-loss run with the same seeds' first few: false downs must be zero.
+- a 10%-loss run with the same seeds' first few: false downs must be zero;
+- with --against REV: events/s per core of this tree and of git revision REV (e.g. the
+  commit before a speed-up) on the same seeds, measured interleaved in fresh processes in
+  CPU time (best of --ab-rounds each), so other load on a shared machine hits both alike;
+  both must run the same events to the same trace digests.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +59,41 @@ def sweep(seeds: int, workers: int) -> dict:
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     summary["command"] = " ".join(["python", "-m", "sim", *cmd[3:]])
     return summary
+
+
+_PROBE = """
+import hashlib, json, sys, time
+sys.path.insert(0, ".")
+from sim.faults import FAULT_KINDS
+from sim.scenario import run_seed
+events, digest = 0, hashlib.sha256()
+started = time.process_time()
+for seed in range(int(sys.argv[1])):
+    r = run_seed(seed, nodes=5, duration_s=10, faults=FAULT_KINDS)
+    events += r.events
+    digest.update(f"{r.events} {r.violation} {r.trace_digest}\\n".encode())
+print(json.dumps({"events": events, "cpu_s": time.process_time() - started, "digest": digest.hexdigest()}))
+"""
+
+
+def speed_against(rev: str, seeds: int, rounds: int) -> dict:
+    """Events/s per core here and at git revision ``rev``, interleaved, best of ``rounds``."""
+    with tempfile.TemporaryDirectory(prefix="bench-sim-") as old:
+        archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
+        runs: dict[str, list[dict]] = {"before": [], "after": []}
+        for _ in range(rounds):
+            for name, root in (("before", old), ("after", str(ROOT))):
+                proc = subprocess.run([sys.executable, "-c", _PROBE, str(seeds)], cwd=root, capture_output=True, text=True,
+                                      check=True)
+                runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    best = {name: min(r["cpu_s"] for r in rs) for name, rs in runs.items()}
+    events = {name: rs[0]["events"] for name, rs in runs.items()}
+    same = len({r["digest"] for rs in runs.values() for r in rs}) == 1
+    return {"rev": rev, "seeds": seeds, "rounds": rounds, "events": events["after"], "same_events_and_traces": same,
+            "before_events_per_s": round(events["before"] / best["before"]),
+            "after_events_per_s": round(events["after"] / best["after"]),
+            "speedup": round(best["before"] / best["after"], 2)}
 
 
 def false_downs(seeds: int) -> tuple[int, int]:
@@ -114,6 +154,9 @@ def main() -> int:
     p.add_argument("--loss-seeds", type=int, default=20)
     p.add_argument("--out", default=None, help="write a Markdown section to this file")
     p.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
+    p.add_argument("--against", default=None, metavar="REV", help="also compare events/s per core with git revision REV")
+    p.add_argument("--ab-seeds", type=int, default=20, help="seeds per process in the --against comparison")
+    p.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds in the --against comparison")
     args = p.parse_args()
 
     bare = bare_event_loop_rate()
@@ -152,6 +195,12 @@ def main() -> int:
         "",
         f"Machine: {machine}. Sweep command: `{s['command']}` ({s['wall_s']} s wall).",
     ]
+    ab = speed_against(args.against, args.ab_seeds, args.ab_rounds) if args.against else None
+    if ab is not None:
+        lines.append(
+            f"Against {ab['rev']} ({ab['seeds']} seeds, {ab['events']:,} events, best of {ab['rounds']} interleaved, CPU time): "
+            f"{ab['before_events_per_s']:,} -> {ab['after_events_per_s']:,} events/s per core ({ab['speedup']}x); "
+            f"same events and traces: {'yes' if ab['same_events_and_traces'] else 'NO'}.")
     text = "\n".join(lines)
     print(text)
     if args.out:
@@ -159,9 +208,10 @@ def main() -> int:
     if args.json:
         raw = {"sweep": s, "bare_events_per_s": round(bare), "events_per_s_per_worker": round(per_worker),
                "loss_runs": loss_runs, "loss_false_downs": loss_bad, "join_ms": joins, "down_ms": downs,
-               "join_ms_loss": joins_l, "down_ms_loss": downs_l}
+               "join_ms_loss": joins_l, "down_ms_loss": downs_l, "against": ab}
         Path(args.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
-    return 0 if s["failures"] == 0 and loss_bad == 0 else 1
+    same = ab is None or ab["same_events_and_traces"]
+    return 0 if s["failures"] == 0 and loss_bad == 0 and same else 1
 
 
 if __name__ == "__main__":

@@ -41,9 +41,11 @@ class Network:
         loss = p.loss if self.loss_override is None else self.loss_override
         if loss and rng.random() < loss:
             return []
-        delay = rng.randint(p.latency_us_min, p.latency_us_max)
+        # randrange(a, b + 1) is what randint(a, b) calls (documented as its alias): the same
+        # draws, one call less on the world's hottest path.
+        delay = rng.randrange(p.latency_us_min, p.latency_us_max + 1)
         if p.duplicate and rng.random() < p.duplicate:
-            return [delay, rng.randint(p.latency_us_min, p.latency_us_max * 3)]
+            return [delay, rng.randrange(p.latency_us_min, p.latency_us_max * 3 + 1)]
         return [delay]
 
     # --- faults ------------------------------------------------------------------

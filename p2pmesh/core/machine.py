@@ -65,7 +65,6 @@ from p2pmesh.core.messages import (
     RemovalNotice,
     RemoveMember,
     SetModel,
-    SetRing,
     UpdateMember,
     StageFetched,
     Snapshot,
@@ -104,6 +103,15 @@ class FrameReceived:
 
     peer: NodeId
     data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class MessageReceived:
+    """A message from ``peer`` that this process's own driver encoded (the simulator): no
+    frame to decode, but the same semantic checks as a frame's. The agent never makes one."""
+
+    peer: NodeId
+    message: Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +227,7 @@ class WorkerCrashed:
 
 Input = (
     FrameReceived
+    | MessageReceived
     | PeerDiscovered
     | PeerVanished
     | TimerFired
@@ -385,14 +394,16 @@ class Machine:
         self._placement_checked_at: tuple[int, int] = (-1, -1)
         self.router = Router(node_id)
         self._ring_checked_at: tuple[int, int] = (-1, -1)
-        self._ring_settled: tuple[object, ...] | None = None
-        """The inputs of physical.negotiate_steps (members, ring, hops) when it last found nothing
-        to propose: a pure function, so the same inputs need no new solve (most applied
-        entries change neither)."""
         """(term, applied index) at which the leader last compared the ring (solving is
         the costliest pure step, so it runs once per state change, not per input)."""
-        self._ring_solving: tuple[tuple[object, ...], Generator[None, None, SetRing | None]] | None = None
-        """A solve spread over several steps (physical.negotiate_steps): its inputs, its rest."""
+        self._ring_settled: tuple[object, ...] | None = None
+        """The inputs of physical.negotiate (members, ring, hops) when it last found nothing
+        to propose: a pure function, so the same inputs need no new solve (most applied
+        entries change neither)."""
+        self._ring_plan: tuple[tuple[tuple[object, ...], ...], physical.RingPlan | None] | None = None
+        """(physical.plan_inputs, physical.plan_ring) of the last solve, kept while its inputs stay."""
+        self._ring_solving: tuple[tuple[tuple[object, ...], ...], Generator[None, None, physical.RingPlan | None]] | None = None
+        """A solve spread over several steps (physical.plan_ring_steps): its inputs, its rest."""
 
     # ------------------------------------------------------------------------------
     # Construction
@@ -494,6 +505,8 @@ class Machine:
             return self._take_ready()
         if isinstance(event, FrameReceived):
             self._on_frame(event, now_ms)
+        elif isinstance(event, MessageReceived):
+            self.receive(event.peer, event.message, now_ms)
         elif isinstance(event, TimerFired):
             self._on_timer(now_ms)
         elif isinstance(event, PeerDiscovered):
@@ -538,7 +551,9 @@ class Machine:
                     self.leave_deadline_ms += self.settings.drain_timeout_ms
             self._drive_leave(now_ms)
         self._after(now_ms)
-        self._route(now_ms)
+        router = self.router
+        if router.origins or router.served or router.messages or router.submits or router.client:
+            self._route(now_ms)  # (else nothing in flight and nothing to collect: a hot path)
         return self._take_ready()
 
     def _take_ready(self) -> Ready:
@@ -563,13 +578,16 @@ class Machine:
             self.rejected_frames += 1  # a registered value that is not a message
             self.malformed_frames += 1
             return
-        claimed = msg.hdr.src if hasattr(msg, "hdr") else msg.src  # type: ignore[union-attr]
+        hdr = getattr(msg, "hdr", None)  # Raft's messages have a header, the others not
+        claimed = msg.src if hdr is None else hdr.src  # type: ignore[union-attr]
         if claimed != peer or validate.problem(msg) is not None:
             self.rejected_frames += 1  # a peer claiming another node's id, or nonsense
             self.malformed_frames += 1
             return
         self.last_heard[peer] = now_ms
-        if isinstance(msg, Hello):
+        if hdr is not None:
+            self._on_raft_message(msg, now_ms)
+        elif isinstance(msg, Hello):
             self._on_hello(msg, now_ms)
         elif isinstance(msg, JoinRequest):
             self._on_join_request(msg, now_ms)
@@ -579,8 +597,6 @@ class Machine:
             self._on_removal_notice(peer, msg, now_ms)
         elif isinstance(msg, (InferRequest, InferTokens)):
             self._on_infer(peer, msg, now_ms)
-        else:
-            self._on_raft_message(msg, now_ms)
 
     def _on_infer(self, peer: NodeId, msg: InferRequest | InferTokens, now_ms: int) -> None:
         r = self.raft
@@ -896,14 +912,16 @@ class Machine:
         if inputs == self._ring_settled:
             self._ring_solving = None
             return
-        started_from = (*inputs, r.state.ring_epoch)  # the proposal names the next epoch
-        if self._ring_solving is None or self._ring_solving[0] != started_from:
-            self._ring_solving = (started_from, physical.negotiate_steps(r.state))
-        try:
-            next(self._ring_solving[1])
-            return  # one slice per step: the next step goes on, heartbeats keep flowing
-        except StopIteration as done:
-            proposal, self._ring_solving = done.value, None
+        used = physical.plan_inputs(r.state)
+        if self._ring_plan is None or self._ring_plan[0] != used:
+            if self._ring_solving is None or self._ring_solving[0] != used:
+                self._ring_solving = (used, physical.plan_ring_steps(r.state))  # the costly part: the solve
+            try:
+                next(self._ring_solving[1])
+                return  # one slice per step: the next step goes on, heartbeats keep flowing
+            except StopIteration as done:
+                self._ring_plan, self._ring_solving = (used, done.value), None
+        proposal = physical.negotiate(r.state, self._ring_plan[1])
         if proposal is None:
             self._ring_settled = inputs
         elif not self._propose_once(proposal, now_ms):
@@ -930,6 +948,8 @@ class Machine:
         r = self.raft
         if r is None or self.mode is not Mode.MEMBER or self.leaving or r.leader is None:
             return
+        if self.measure is None and not self.fetched and not self.loaded and not self.crashed:
+            return  # nothing measured or reported by workers: nothing to publish (a hot path)
         mine = find_member(r.state, self.node_id)
         if mine is None or mine.inc != self.inc:
             return

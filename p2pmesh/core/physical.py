@@ -149,11 +149,30 @@ def common_subnet(left: tuple[str, ...], right: tuple[str, ...]) -> tuple[str, s
     return None
 
 
-def negotiate_steps(state: ClusterState) -> Generator[None, None, SetRing | None]:
-    """The ring the leader should propose now, or None when the committed one is right:
-    solved in slices of NEGOTIATE_SLICE_STEPS search steps, yielding between them (the
-    caller keeps the generator while ``state``'s members, ring, hops and epoch stay the
-    same, and advances it once per step of its machine)."""
+RingPlan = tuple[tuple[NodeId, ...], tuple[RingHop, ...]]
+
+
+def plan_inputs(state: ClusterState) -> tuple[tuple[object, ...], ...]:
+    """Everything plan_ring reads: of each member that is up, its id, ports, probes and
+    addresses. A leader keeps its plan while these stay the same (the solve is costly)."""
+    return tuple((m.node_id, m.ports, m.probes, m.addresses) for m in state.members if m.up)
+
+
+def plan_ring(state: ClusterState) -> RingPlan | None:
+    """The ring order and hops over the members that are up (a function of plan_inputs
+    alone), or None when there is none: plan_ring_steps run to its end."""
+    steps = plan_ring_steps(state)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def plan_ring_steps(state: ClusterState) -> Generator[None, None, RingPlan | None]:
+    """plan_ring in slices of NEGOTIATE_SLICE_STEPS search steps, yielding between them
+    (the leader keeps the generator while plan_inputs stays the same, and advances it once
+    per step of its machine, so a long solve never stalls its heartbeats)."""
     members = serving(state)
     if not members:
         return None
@@ -164,10 +183,20 @@ def negotiate_steps(state: ClusterState) -> Generator[None, None, SetRing | None
                                       slice_steps=NEGOTIATE_SLICE_STEPS)
     except RingError:
         return None  # cannot happen with network links; never propose nonsense
-    hops = _describe(ring, links, {m.node_id: m for m in members})
-    if ring.order == state.ring and _identity(hops) == _identity(state.ring_hops):
+    return tuple(NodeId(n) for n in ring.order), _describe(ring, links, {m.node_id: m for m in members})
+
+
+def negotiate(state: ClusterState, plan: RingPlan | None = None) -> SetRing | None:
+    """The ring the leader should propose now, or None when the committed one is right.
+    ``plan``: plan_ring(state), when the caller kept it for the same members."""
+    if plan is None:
+        plan = plan_ring(state)
+    if plan is None:
         return None
-    return SetRing(state.ring_epoch + 1, tuple(NodeId(n) for n in ring.order), hops)
+    order, hops = plan
+    if order == state.ring and _identity(hops) == _identity(state.ring_hops):
+        return None
+    return SetRing(state.ring_epoch + 1, order, hops)
 
 
 def _identity(hops: tuple[RingHop, ...]) -> tuple[tuple[object, ...], ...]:

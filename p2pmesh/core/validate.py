@@ -7,13 +7,15 @@ that fails is counted and dropped by the machine, with no state change.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from p2pmesh.core.messages import (
     AppendEntries,
     Capabilities,
     Drain,
     AppendResponse,
     Entry,
-    Header,
     Hello,
     InstallSnapshot,
     JoinRequest,
@@ -41,33 +43,32 @@ from p2pmesh.core.messages import (
 def problem(msg: Message) -> str | None:
     """Why ``msg`` is unacceptable, or None when it is fine."""
     hdr = getattr(msg, "hdr", None)
-    if hdr is not None:
-        why = _header(hdr)
-        if why:
-            return why
-    if isinstance(msg, AppendEntries):
-        return _append(msg)
-    if isinstance(msg, AppendResponse):
-        return "negative index" if msg.index < 0 or msg.ctx < 0 else None
-    if isinstance(msg, VoteRequest):
-        if msg.last_index < 0 or msg.last_term < 0 or msg.last_term > msg.hdr.term:
-            return "vote request with an impossible last entry"
-        return None
-    if isinstance(msg, InstallSnapshot):
-        return _snapshot(msg.snapshot, msg.hdr.term)
-    if isinstance(msg, ReadIndexResponse):
-        return "negative read index" if msg.index < 0 else None
-    if isinstance(msg, (Hello, JoinRequest)):
-        return "incarnation must be positive" if msg.inc < 1 else caps_problem(msg.caps)
-    if isinstance(msg, RemovalNotice):
-        return "incarnation must be positive" if msg.inc < 1 else None
-    return None
-
-
-def _header(hdr: Header) -> str | None:
-    if hdr.term < 0 or hdr.src_inc < 1 or hdr.dst_inc < 1:
+    if hdr is not None and (hdr.term < 0 or hdr.src_inc < 1 or hdr.dst_inc < 1):
         return "header with a negative term or a non-positive incarnation"
+    check = _CHECKS.get(type(msg))  # by exact type: decoded messages are never subclasses
+    return None if check is None else check(msg)
+
+
+def _append_response(msg: AppendResponse) -> str | None:
+    return "negative index" if msg.index < 0 or msg.ctx < 0 else None
+
+
+def _vote_request(msg: VoteRequest) -> str | None:
+    if msg.last_index < 0 or msg.last_term < 0 or msg.last_term > msg.hdr.term:
+        return "vote request with an impossible last entry"
     return None
+
+
+def _read_index_response(msg: ReadIndexResponse) -> str | None:
+    return "negative read index" if msg.index < 0 else None
+
+
+def _positive_inc(msg: RemovalNotice) -> str | None:
+    return "incarnation must be positive" if msg.inc < 1 else None
+
+
+def _greeting(msg: Hello | JoinRequest) -> str | None:
+    return "incarnation must be positive" if msg.inc < 1 else caps_problem(msg.caps)
 
 
 def _append(m: AppendEntries) -> str | None:
@@ -91,10 +92,30 @@ def _entries(entries: tuple[Entry, ...], prev_index: int, prev_term: int, term: 
     return None
 
 
+def _install_snapshot(msg: InstallSnapshot) -> str | None:
+    return _snapshot(msg.snapshot, msg.hdr.term)
+
+
 def _snapshot(s: Snapshot, term: int) -> str | None:
     if s.index < 0 or s.term < 0 or s.term > term or (s.index == 0) != (s.term == 0):
         return "snapshot with impossible index or term"
+    kv = s.state.kv
+    if any(kv[i][0] >= kv[i + 1][0] for i in range(len(kv) - 1)):
+        return "snapshot keys are not sorted and unique"  # Puts apply by binary search (cluster.py)
     return None
+
+
+_CHECKS: dict[type, Callable[[Any], str | None]] = {
+    AppendEntries: _append,
+    AppendResponse: _append_response,
+    VoteRequest: _vote_request,
+    InstallSnapshot: _install_snapshot,
+    ReadIndexResponse: _read_index_response,
+    Hello: _greeting,
+    JoinRequest: _greeting,
+    RemovalNotice: _positive_inc,
+}
+"""The checks of each message type beyond its header (other types need none)."""
 
 
 def command_problem(cmd: object) -> str | None:

@@ -1,10 +1,16 @@
 """RaftLog bookkeeping and the pure functions of cluster.py."""
 from __future__ import annotations
 
+import dataclasses
+from unittest.mock import patch
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from p2pmesh.core.cluster import (
     KV_KEYS_MAX,
+    _replace,
     apply_command,
     apply_config_command,
     config_of,
@@ -13,6 +19,7 @@ from p2pmesh.core.cluster import (
 )
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.log import RaftLog
+from p2pmesh.core.validate import problem
 from p2pmesh.core.messages import (
     AddLearner,
     Capabilities,
@@ -20,6 +27,8 @@ from p2pmesh.core.messages import (
     Command,
     Config,
     Entry,
+    Header,
+    InstallSnapshot,
     MarkDown,
     MarkUp,
     Member,
@@ -404,6 +413,38 @@ def test_put_respects_the_key_limit_but_allows_overwrites() -> None:
     updated = apply_command(s, Put("k00000", "w"))
     assert dict(updated.kv)["k00000"] == "w"
     assert len(updated.kv) == KV_KEYS_MAX
+
+
+@given(st.lists(st.tuples(st.sampled_from(["", "a", "b", "k1", "k10", "k2", "é", "z"]), st.text(max_size=3)), max_size=40),
+       st.integers(1, 6))
+def test_puts_keep_the_keys_sorted_and_unique_as_a_dict_would(puts: list[tuple[str, str]], limit: int) -> None:
+    # apply_command inserts by binary search; the reference is a dict sorted afterwards.
+    s, want = empty_state(CL), {}
+    with patch("p2pmesh.core.cluster.KV_KEYS_MAX", limit):
+        for key, value in puts:
+            s = apply_command(s, Put(key, value))
+            if key in want or len(want) < limit:
+                want[key] = value
+            assert s.kv == tuple(sorted(want.items()))
+
+
+def test_a_snapshot_whose_keys_are_not_sorted_and_unique_is_refused() -> None:
+    def snap(kv: tuple[tuple[str, str], ...]) -> InstallSnapshot:
+        state = ClusterState(CL, (), 0, (), kv)
+        return InstallSnapshot(Header(CL, A, 1, B, 1, 2), Snapshot(5, 2, EMPTY_CFG, state))
+
+    assert problem(snap((("a", "1"), ("b", "2")))) is None
+    assert problem(snap((("b", "1"), ("a", "2")))) == "snapshot keys are not sorted and unique"
+    assert problem(snap((("a", "1"), ("a", "2")))) == "snapshot keys are not sorted and unique"
+
+
+def test_fast_replace_matches_dataclasses_replace_and_refuses_unknown_fields() -> None:
+    state = ClusterState(CL, (Member(A, 1, voter=True, up=True, addresses=("10.0.0.1",), caps=CAPS),), 3, (A,), (("k", "v"),))
+    assert _replace(state, kv=(), ring_epoch=4) == dataclasses.replace(state, kv=(), ring_epoch=4)
+    member = state.members[0]
+    assert _replace(member, up=False) == dataclasses.replace(member, up=False) and member.up
+    with pytest.raises(TypeError, match="no field"):
+        _replace(state, voters=())
 
 
 def test_config_of_state_matches_log_config_for_the_same_commands() -> None:

@@ -221,3 +221,27 @@ def test_sixteen_node_cluster_graphs_with_network_paths_solve_exactly(layout: st
 def test_non_string_ends_and_non_finite_numbers_are_refused(link: dict) -> None:  # type: ignore[type-arg]
     with pytest.raises(RingError):
         parse_graph({"nodes": ["n0", "n1"], "links": [link]})
+
+
+def test_a_kept_ring_plan_depends_only_on_what_plan_ring_reads() -> None:
+    # A leader keeps plan_ring's result while plan_inputs stays the same (core/machine.py):
+    # the fields left out must not change the plan, and a new Member field must be judged.
+    import dataclasses
+
+    from p2pmesh.core.messages import Capabilities, ClusterState, Measure, Member, PortInfo
+    from p2pmesh.core.physical import plan_inputs, plan_ring
+
+    ignored = {"inc", "voter", "caps", "measure"}
+    read = {"node_id", "up", "addresses", "ports", "probes"}
+    assert {f.name for f in dataclasses.fields(Member)} == ignored | read
+    tb = [PortInfo(f"en{i}", "thunderbolt", f"d{i}", f"d{(i + 1) % 4}", True, 40.0, (), False) for i in range(4)]
+    members = tuple(Member(f"{i:032x}", 1, True, True, (f"10.0.0.{i + 1}",), Capabilities(2**35, "M4 Max"), ports=(tb[i],))
+                    for i in range(4))
+    state = ClusterState("c1", members, 0, (), ())
+    other = dataclasses.replace(state, members=tuple(
+        dataclasses.replace(m, inc=7, voter=False, caps=Capabilities(2**30, "M2 Max"), measure=Measure("m", 1, 1.0))
+        for m in members))
+    assert plan_inputs(other) == plan_inputs(state) and plan_ring(other) == plan_ring(state)
+    assert plan_ring(state) is not None
+    moved = dataclasses.replace(state, members=(dataclasses.replace(members[0], addresses=("10.9.9.9",)), *members[1:]))
+    assert plan_inputs(moved) != plan_inputs(state)

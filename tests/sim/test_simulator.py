@@ -72,6 +72,31 @@ def test_every_planted_bug_is_caught(plant: str) -> None:
     pytest.fail(f"plant {plant} survived seeds 0-{PLANT_SEEDS_MAX - 1}")
 
 
+def test_leader_completeness_judges_only_entries_committed_in_earlier_terms() -> None:
+    """Seed 1147: n0's term-4 vote grants arrive 1.9 s late, after n5 (term 5) committed
+    entry 49 at (49, 5); n0 leads term 4 without it and steps down at term 5's next message.
+    Raft's property (§5.4) asks a leader of term T only for entries committed below T."""
+    from sim.scenario import Scenario
+
+    sc = Scenario(1147, nodes=5, duration_s=10, faults=FAULT_KINDS)
+    result = sc.run()
+    assert result.violation is None, f"{result.violation}: {result.detail}"
+    checker, n0 = sc.world.checker, sc.world.nodes[0].node_id
+    (cluster,) = {c for c, _ in checker.leaders}
+    assert checker.leaders[(cluster, 4)] == n0 and checker.leaders[(cluster, 5)] != n0
+    assert checker.applied[(cluster, 49)][0] == 5 and checker.commit_term[(cluster, 49)] == 5
+
+
+def test_an_entry_committed_just_before_a_removal_is_judged_under_the_configuration_it_was_committed_in() -> None:
+    """Seed 9211: leader n4 commits entries 197-201 under 5 voters (n2, n3 and itself hold
+    them) and, in the same input, appends the removal of n2; when 197 is first applied the
+    latest configuration has 4 voters (2 hold it) and the one at index 197 had 6 (3 hold
+    it). The commit was valid: committed-is-durable also counts the configurations in
+    between."""
+    result = run_seed(9211, nodes=5, duration_s=10, faults=FAULT_KINDS)
+    assert result.violation is None, f"{result.violation}: {result.detail}"
+
+
 def test_plants_command_lists_at_least_eight() -> None:
     proc = subprocess.run([sys.executable, "-m", "sim", "plants"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     names = proc.stdout.split()
