@@ -24,6 +24,12 @@ the path stands on) carrying the prefix's cost (slow hops, bottleneck, latency):
    form (both directions of every ring start at node 0). It prunes every prefix whose bound
    exceeds the value, and every prefix dominated by one already proven unable to reach it.
 
+**By segments.** When every pair of Macs has a hop (one network joins them all), a ring with
+k >= 1 slow hops is k Thunderbolt paths joined in a circle by slow hops, and any order of
+those paths is a ring too: passes 0 and, when every slow hop is the same one (a LAN whose
+RTTs are unknown, as in a cluster), 1 search the paths in one canonical order only (see
+``_fewest_by_segments``), which removes the (k-1)! orders the subset memo cannot merge.
+
 All passes count *steps* (a state the memo did not settle, whose bounds are evaluated). A
 search that reaches ``expansions_max`` steps stops and reports the best ring seen as not
 exact (only graphs above 16 nodes get a cap by default). ``search_steps`` yields every
@@ -296,33 +302,166 @@ def search_steps(size: int, hop: list[list[Pair | None]], *, expansions_max: int
     Found with no path when the cap stopped the search before any ring. The generator
     yields after every ``slice_steps`` search steps (never when None), so a caller that
     must stay responsive (the leader's event loop) can spread one solve over its steps."""
-    bounds = _Bounds(size, hop)
-    neighbours = [
-        sorted((j for j in range(size) if hop[i][j] is not None),
-               key=lambda j, i=i: (hop[i][j].slow, -hop[i][j].gbps, hop[i][j].lat, j))  # type: ignore[union-attr]
-        for i in range(size)
-    ]
     budget = _Budget(expansions_max, slice_steps)
-    fewest = _FewestSlow(size, hop, neighbours, bounds, budget)
-    yield from fewest.run()
-    if fewest.complete:
-        if fewest.best is None:
+    bounds = _Bounds(size, hop)
+    neighbours = _neighbours(size, hop)
+    by_segments = (yield from _fewest_by_segments(size, hop, budget)) if _complete(size, hop) else None
+    if by_segments is not None:
+        slow_fewest, fewest_path = by_segments
+        background = _uniform_background(size, hop)
+        if background is not None:
+            return (yield from _value_by_segments(size, hop, background, slow_fewest, fewest_path, budget))
+    else:
+        fewest = _FewestSlow(size, hop, neighbours, bounds, budget)
+        yield from fewest.run()
+        if fewest.complete and fewest.best is None:
             return None
-        bounds.slow_min = fewest.best
+        slow_fewest = fewest.best if fewest.complete else 0
+        fewest_path = fewest.best_path
+    bounds.slow_min = slow_fewest
     _choose_prices(size, hop, bounds)
     value = _Value(size, hop, neighbours, bounds, budget)
-    if fewest.best_path:  # its ring is a good first incumbent: it has the fewest slow hops
-        value.best, value.best_path = _cost(hop, fewest.best_path), fewest.best_path
+    if fewest_path:  # its ring is a good first incumbent: it has the fewest slow hops
+        value.best, value.best_path = _cost(hop, fewest_path), fewest_path
     yield from value.run()
     if value.best is None:
         return None if value.exact else Found([], (0, 0.0, 0), False, budget.used)
     if not value.exact:
         return Found(value.best_path, value.best, False, budget.used)
-    ties = _TieBreak(size, hop, bounds, value.best, budget)
-    path = yield from ties.run()
+    path = yield from _tie_break(size, hop, bounds, value.best, budget)
     if path is None:  # the tie-break ran out of steps: the value is still proven
         return Found(value.best_path, value.best, False, budget.used)
     return Found(path, value.best, True, budget.used)
+
+
+def _neighbours(size: int, hop: list[list[Pair | None]]) -> list[list[int]]:
+    """Each node's neighbours, best hop first (the value pass finds good rings early)."""
+    return [
+        sorted((j for j in range(size) if hop[i][j] is not None),
+               key=lambda j, i=i: (hop[i][j].slow, -hop[i][j].gbps, hop[i][j].lat, j))  # type: ignore[union-attr]
+        for i in range(size)
+    ]
+
+
+def _tie_break(size: int, hop: list[list[Pair | None]], bounds: _Bounds, target: Cost,
+               budget: _Budget) -> Generator[None, None, list[int] | None]:
+    ties = _TieBreak(size, hop, bounds, target, budget)
+    return (yield from ties.run())
+
+
+def _complete(size: int, hop: list[list[Pair | None]]) -> bool:
+    """Every pair has a hop (every Mac on one network), some of them slow: segments joined
+    by slow hops may then go in any order."""
+    pairs = [hop[i][j] for i in range(size) for j in range(i + 1, size)]
+    return all(h is not None for h in pairs) and any(h.slow for h in pairs)  # type: ignore[union-attr]
+
+
+def _uniform_background(size: int, hop: list[list[Pair | None]]) -> Pair | None:
+    """The slow hop that joins every pair no Thunderbolt cable joins, when every pair has a
+    hop and all the slow ones are the same (one LAN whose RTTs are unknown, as in a cluster:
+    only cables are probed); None otherwise, or when every pair is cabled."""
+    background: Pair | None = None
+    for i in range(size):
+        for j in range(i + 1, size):
+            h = hop[i][j]
+            if h is None:
+                return None
+            if h.slow:
+                if background is None:
+                    background = h
+                elif h != background:
+                    return None
+    return background
+
+
+def _segment_need(need: int, j: int, rest: int, slow: int) -> int:
+    """The segment rule (``_fewest_by_segments``) for a step onto node j: -1 when it breaks the
+    rule, else the node the current segment must still reach (0: none)."""
+    if slow:
+        if need:
+            return -1  # the segment ends without its smallest node: a reordering covers it
+        first = (rest & -rest).bit_length() - 1  # the smallest node not yet visited
+        return 0 if first == j else first
+    return 0 if need == j else need
+
+
+def _segment_graph(size: int, hop: list[list[Pair | None]], half: Pair) -> list[list[Pair | None]]:
+    """The graph plus a virtual node (index 0) joined to every node by ``half``; the other
+    nodes move up one index and their latencies double (so ``half`` can be half of one)."""
+    n = size + 1
+    graph: list[list[Pair | None]] = [[None] * n for _ in range(n)]
+    for i in range(size):
+        graph[0][i + 1] = graph[i + 1][0] = half
+        for j in range(size):
+            h = hop[i][j]
+            if h is not None:
+                graph[i + 1][j + 1] = Pair(h.slow, h.gbps, 2 * h.lat)
+    return graph
+
+
+def _fewest_by_segments(size: int, hop: list[list[Pair | None]],
+                        budget: _Budget) -> Generator[None, None, tuple[int, list[int]] | None]:
+    """Pass 0 for a complete graph: the fewest slow hops and a ring with them, found by
+    segments. A ring with k >= 1 slow hops is k Thunderbolt paths (segments) joined in a
+    circle by slow hops, and since every pair has a hop, any order and direction of the
+    same segments is a ring with (at most) as many slow hops. So the search runs from a
+    virtual node (joined to every Mac by half a slow hop: the two halves at its ends make
+    one) and takes the segments in the order of their smallest Mac: a segment must reach
+    the smallest Mac not yet visited when it starts (``_segment_need``, part of the memo's
+    key). That removes the (k-1)! orders of the same segments, which the memo over subsets
+    cannot merge. None when the general pass must run: a Thunderbolt ring exists (no slow
+    hop to order), or the cap stopped the search."""
+    half = Pair(1, max(h.gbps for row in hop for h in row if h is not None and h.slow), 0)
+    graph = _segment_graph(size, hop, half)
+    fewest = _FewestSlow(size + 1, graph, _neighbours(size + 1, graph), _Bounds(size + 1, graph), budget, segments=True)
+    yield from fewest.run()
+    if not fewest.complete or fewest.best is None:
+        return None
+    slow_fewest = fewest.best - 1  # the virtual node's two halves make one slow hop
+    if slow_fewest == 1:
+        # One segment: is there a Thunderbolt ring after all? Search rings of no slow hop.
+        cabled = _FewestSlow(size, hop, _neighbours(size, hop), _Bounds(size, hop), budget, best=1)
+        yield from cabled.run()
+        if not cabled.complete or cabled.best == 0:
+            return None
+    return slow_fewest, _from_segments(fewest.best_path)
+
+
+def _value_by_segments(size: int, hop: list[list[Pair | None]], background: Pair, slow_fewest: int,
+                       fewest_ring: list[int], budget: _Budget) -> Generator[None, None, Found]:
+    """Pass 1 by segments (see ``_fewest_by_segments``) when every slow hop is the same one:
+    then, at the fewest slow hops, every order and direction of the segments costs the same
+    in every component, so the value search takes them in one order too; the tie-break then
+    runs on the graph itself."""
+    n = size + 1
+    graph = _segment_graph(size, hop, background)
+    bounds = _Bounds(n, graph)
+    bounds.slow_min = slow_fewest + 1
+    _choose_prices(n, graph, bounds)
+    value = _Value(n, graph, _neighbours(n, graph), bounds, budget, segments=True)
+    # The first incumbent: pass 0's ring, cut open at a slow hop and hung on the virtual node.
+    cut = next(i for i in range(size) if hop[fewest_ring[i - 1]][fewest_ring[i]].slow)  # type: ignore[union-attr]
+    value.best_path = [0] + [x + 1 for x in fewest_ring[cut:] + fewest_ring[:cut]]
+    value.best = _cost(graph, value.best_path)
+    yield from value.run()
+    ring = _from_segments(value.best_path)
+    cost = _cost(hop, ring)
+    if not value.exact:
+        return Found(ring, cost, False, budget.used)
+    plain = _Bounds(size, hop)
+    plain.slow_min = slow_fewest
+    _choose_prices(size, hop, plain)
+    path = yield from _tie_break(size, hop, plain, cost, budget)
+    if path is None:
+        return Found(ring, cost, False, budget.used)
+    return Found(path, cost, True, budget.used)
+
+
+def _from_segments(path: list[int]) -> list[int]:
+    """A path from the virtual node as a ring of the original nodes from node 0."""
+    ring = [i - 1 for i in path[1:]]
+    start = ring.index(0)
+    return ring[start:] + ring[:start]
 
 
 class _Budget:
@@ -408,18 +547,19 @@ class _FewestSlow:
     latency, by the true optimum instead of by what the rest of the graph suggests."""
 
     def __init__(self, size: int, hop: list[list[Pair | None]], neighbours: list[list[int]], bounds: _Bounds,
-                 budget: _Budget) -> None:
+                 budget: _Budget, *, segments: bool = False, best: int | None = None) -> None:
         self.size, self.hop, self.neighbours, self.bounds, self.budget = size, hop, neighbours, bounds, budget
+        self.segments = segments
         self.complete = True
-        self.best: int | None = None
+        self.best: int | None = best
         self.best_path: list[int] = []
         self.memo: dict[int, int] = {}
         self.path = [0]
 
     def run(self) -> Generator[None, None, None]:
-        yield from self._dfs(0, 1, 0)
+        yield from self._dfs(0, 1, 0, 0)
 
-    def _dfs(self, v: int, mask: int, s: int) -> Generator[None, None, None]:
+    def _dfs(self, v: int, mask: int, s: int, need: int) -> Generator[None, None, None]:
         size = self.size
         rest = ((1 << size) - 1) & ~mask
         if not rest:
@@ -427,7 +567,7 @@ class _FewestSlow:
             if back is not None and (self.best is None or s + back.slow < self.best):
                 self.best, self.best_path = s + back.slow, list(self.path)
             return
-        key = mask * size + v
+        key = (mask * size + v) * size + need
         seen = self.memo.get(key)
         if seen is not None and seen <= s:
             return
@@ -442,8 +582,12 @@ class _FewestSlow:
         hop_v = self.hop[v]
         for j in self.neighbours[v]:
             if rest >> j & 1:
+                ph = hop_v[j]
+                child_need = _segment_need(need, j, rest, ph.slow) if self.segments else 0  # type: ignore[union-attr]
+                if child_need < 0:
+                    continue
                 self.path.append(j)
-                yield from self._dfs(j, mask | (1 << j), s + hop_v[j].slow)  # type: ignore[union-attr]
+                yield from self._dfs(j, mask | (1 << j), s + ph.slow, child_need)  # type: ignore[union-attr]
                 self.path.pop()
                 if self.best == 0:
                     return  # no ring has fewer
@@ -453,8 +597,9 @@ class _Value:
     """Pass 1: the best value (see the module comment)."""
 
     def __init__(self, size: int, hop: list[list[Pair | None]], neighbours: list[list[int]], bounds: _Bounds,
-                 budget: _Budget) -> None:
+                 budget: _Budget, *, segments: bool = False) -> None:
         self.size, self.hop, self.neighbours, self.bounds, self.budget = size, hop, neighbours, bounds, budget
+        self.segments = segments
         self.exact = True
         self.best: Cost | None = None
         self.best_path: list[int] = []
@@ -462,9 +607,9 @@ class _Value:
         self.path = [0]
 
     def run(self) -> Generator[None, None, None]:
-        yield from self._expand(0, 1, 0, float("inf"), 0)
+        yield from self._expand(0, 1, 0, float("inf"), 0, 0)
 
-    def _expand(self, v: int, mask: int, s: int, bn: float, lat: int) -> Generator[None, None, None]:
+    def _expand(self, v: int, mask: int, s: int, bn: float, lat: int, need: int) -> Generator[None, None, None]:
         """Visit every child of the state (mask, v); descend into those worth it. The checks
         run here, not in the child, so a pruned child costs no generator."""
         size = self.size
@@ -479,6 +624,9 @@ class _Value:
             cs = s + ph.slow  # type: ignore[union-attr]
             if self.best is not None and cs > self.best[0]:
                 continue  # already more slow hops than the best ring (the bound's cheap part)
+            child_need = _segment_need(need, j, rest, ph.slow) if self.segments else 0  # type: ignore[union-attr]
+            if child_need < 0:
+                continue
             cbn, clat = min(bn, ph.gbps), lat + ph.lat  # type: ignore[union-attr]
             crest = rest & ~(1 << j)
             if not crest:
@@ -488,7 +636,7 @@ class _Value:
                     if self.best is None or better(cost, self.best):
                         self.best, self.best_path = cost, [*self.path, j]
                 continue
-            key = (mask | (1 << j)) * size + j
+            key = ((mask | (1 << j)) * size + j) * size + child_need
             entries = memo.get(key)
             if entries is not None and _dominated(entries, cs, cbn, clat):
                 continue
@@ -501,7 +649,7 @@ class _Value:
             if self.best is not None and not self._may_improve(j, crest, cs, cbn, clat):
                 continue
             self.path.append(j)
-            yield from self._expand(j, mask | (1 << j), cs, cbn, clat)
+            yield from self._expand(j, mask | (1 << j), cs, cbn, clat, child_need)
             self.path.pop()
 
     def _may_improve(self, v: int, rest: int, s: int, bn: float, lat: int) -> bool:

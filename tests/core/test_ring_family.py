@@ -136,3 +136,44 @@ def test_a_mac_cabled_to_every_other_solves_exactly() -> None:
     assert ring.exact and len(ring.slow_hops) == 14
     assert [h.kind for h in ring.hops][0] == "thunderbolt" and [h.kind for h in ring.hops][-1] == "thunderbolt"
     assert ring.order == tuple(nodes)  # the canonical smallest list among the equal rings
+
+
+def _one_lan(seed: int) -> tuple[list[str], list[Link]]:
+    """A few Macs, random cables (sometimes a full Thunderbolt ring, sometimes a path), RTTs
+    drawn from a few values so rings tie, and every Mac on one LAN of one speed and RTT."""
+    import random
+
+    rng = random.Random(seed)
+    n = 4 + seed % 5
+    nodes = [f"m{i}" for i in range(n)]
+    links: list[Link] = []
+    shape = seed % 3
+    if shape == 0:  # a Thunderbolt ring plus chords: the general search must win
+        order = nodes[:]
+        rng.shuffle(order)
+        links += [Link(order[i], order[(i + 1) % n], "thunderbolt", 40.0) for i in range(n)]
+    elif shape == 1:  # a Thunderbolt path through every Mac: one slow hop, or none
+        order = nodes[:]
+        rng.shuffle(order)
+        links += [Link(order[i], order[i + 1], "thunderbolt", 40.0) for i in range(n - 1)]
+    for a, b in itertools.combinations(nodes, 2):
+        if rng.random() < 0.3:
+            links.append(Link(a, b, "thunderbolt", rng.choice([40.0, 80.0]), rng.choice([None, 0.1, 0.3])))
+    kind = rng.choice(["ethernet", "wifi", "network"])
+    rtt = rng.choice([None, 0.4, 1.0])
+    links += [Link(a, b, kind, rng.choice([1.0, 10.0]) if seed % 2 else 10.0, rtt) for a, b in itertools.combinations(nodes, 2)]
+    if seed % 2:  # one LAN speed per graph, so that the slow hops are all alike
+        speed = links[-1].gbps
+        links = [l if l.kind == "thunderbolt" else Link(l.a, l.b, l.kind, speed, l.rtt_ms) for l in links]
+    return nodes, links
+
+
+def test_one_lan_graphs_match_brute_force() -> None:
+    """The segment search (every slow hop alike: the segments' order does not matter) finds
+    the brute-force ring and value, with and without a Thunderbolt ring."""
+    for seed in range(150):
+        nodes, links = _one_lan(seed)
+        (slow, neg_bn, lat), order = _brute(nodes, links)
+        ring = solve(nodes, links)
+        assert ring.exact
+        assert (_value(ring), ring.order) == ((slow, -neg_bn, lat), order), seed
