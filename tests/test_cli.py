@@ -72,7 +72,7 @@ def ok(*args: str, **kw: object) -> str:
 
 
 def test_every_read_command_takes_json() -> None:
-    from p2pmesh.cli import _parser
+    from p2pmesh.cli.app import _parser
 
     parser = _parser()
     for argv in READ_COMMANDS:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from p2pmesh import doctor_cmd
+from p2pmesh.cli import doctor_cmd
 from p2pmesh.core.doctor import CHECK_NAMES
 from p2pmesh.drivers.keys import write_key
 from tests.agent.harness import AgentProc, control_status, free_port, wait_for
@@ -29,7 +29,7 @@ STATUSES = {"ok", "warn", "fail", "skip"}
 
 
 def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "p2pmesh.doctor_cmd", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "p2pmesh.cli.doctor_cmd", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)
 
 

@@ -101,7 +101,7 @@ def _failed(exc: api.P2PMeshError) -> int:
 
 
 def _load(args: argparse.Namespace, cluster: api.Client) -> int:
-    from p2pmesh import terminal
+    from p2pmesh.cli import terminal
 
     con = terminal.console()
     if args.json:
@@ -250,7 +250,7 @@ def _messages(message: str | None, interactive: bool) -> Iterator[str]:
 
 
 def _watch(args: argparse.Namespace, cluster: api.Client) -> int:
-    from p2pmesh import terminal
+    from p2pmesh.cli import terminal
 
     if args.count is not None and args.count < 1:
         raise api.BadRequest("--count must be at least 1")

@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     solve.add_argument("graph", type=Path, help="GRAPH.json: {\"nodes\": [...], \"links\": [...]}")
     solve.add_argument("--json", action="store_true")
 
-    from p2pmesh import doctor_cmd, links_cmd, local_cmd, plan_cmd, service_cmd
+    from p2pmesh.cli import doctor_cmd, links_cmd, local_cmd, plan_cmd, service_cmd
 
     doctor_cmd.add_parser(sub)
     links_cmd.add_parser(sub)
@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     local_cmd.add_parser(sub)
     service_cmd.add_parser(sub)
 
-    from p2pmesh import model_cmd, pair_cmd
+    from p2pmesh.cli import model_cmd, pair_cmd
 
     model_cmd.add_parsers(sub, target)
     pair_cmd.add_parser(sub, target)
@@ -151,31 +151,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ring":
         return _ring_solve(args) if args.ring_command == "solve" else _ask(args)
     if args.command == "links":
-        from p2pmesh import links_cmd
+        from p2pmesh.cli import links_cmd
 
         return links_cmd.run(args)
     if args.command in ("load", "model", "generate", "chat", "watch"):
-        from p2pmesh import model_cmd
+        from p2pmesh.cli import model_cmd
 
         return model_cmd.run(args, _socket(args))
     if args.command == "pair":
-        from p2pmesh import pair_cmd
+        from p2pmesh.cli import pair_cmd
 
         return pair_cmd.run(args, _socket(args))
     if args.command == "local":
-        from p2pmesh import local_cmd
+        from p2pmesh.cli import local_cmd
 
         return local_cmd.run(args)
     if args.command == "plan":
-        from p2pmesh import plan_cmd
+        from p2pmesh.cli import plan_cmd
 
         return plan_cmd.run(args)
     if args.command == "doctor":
-        from p2pmesh import doctor_cmd
+        from p2pmesh.cli import doctor_cmd
 
         return doctor_cmd.run(args)
     if args.command == "service":
-        from p2pmesh import service_cmd
+        from p2pmesh.cli import service_cmd
 
         return service_cmd.run(args)
     return _key(args)
@@ -284,7 +284,7 @@ def _ask(args: argparse.Namespace) -> int:
     status = answer["status"]
     if args.command == "ring":
         return _ring_show(args, status)
-    from p2pmesh import terminal
+    from p2pmesh.cli import terminal
 
     if args.command == "members":
         if args.json:
@@ -319,7 +319,7 @@ def _ring_show(args: argparse.Namespace, status: dict[str, Any]) -> int:
         if args.json:
             print(json.dumps(ring))
         else:
-            from p2pmesh import terminal
+            from p2pmesh.cli import terminal
 
             terminal.console().print(terminal.ring_text(ring, status["node_id"]))
         return EXIT_OK

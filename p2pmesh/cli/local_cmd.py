@@ -130,7 +130,7 @@ def formed(statuses: list[dict[str, Any] | None], count: int) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from p2pmesh import netns
+    from p2pmesh.cli import netns
 
     if not 1 <= args.nodes <= NODES_MAX:
         print(f"p2pmesh: --nodes must be between 1 and {NODES_MAX}", file=sys.stderr)

@@ -13,7 +13,7 @@ The file contents come from p2pmesh.core.service_unit; this module finds the pat
 the file atomically and runs launchctl or systemctl, each call bounded by a timeout. When
 the service manager is missing or refuses, the written file stays, and the message says what
 failed and which commands to run by hand. See docs/service.md. cli.py calls add_parser/run;
-``python -m p2pmesh.service_cmd service ...`` runs the same code on its own.
+``python -m p2pmesh.cli.service_cmd service ...`` runs the same code on its own.
 
 Exit codes: 0 done (or nothing to do); 1 the service manager is unavailable or refused, or the
 file could not be written; 2 bad usage (bad agent arguments, run under sudo).
@@ -276,7 +276,7 @@ def _start(host: Host) -> None:
 def _agent_args(extra: list[str]) -> tuple[str, ...]:
     """Check the arguments after `--` the way `p2pmesh agent` will read them, so the service
     does not start into a crash loop."""
-    from p2pmesh.cli import _parser
+    from p2pmesh.cli.app import _parser
 
     try:
         parsed, unknown = _parser().parse_known_args(["agent", "--state-dir", _STATE_DIR_PROBE, *extra])
@@ -503,7 +503,7 @@ def _status(args: argparse.Namespace, host: Host) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m p2pmesh.service_cmd service ...`: this command without the rest of the CLI."""
+    """`python -m p2pmesh.cli.service_cmd service ...`: this command without the rest of the CLI."""
     parser = argparse.ArgumentParser(prog="p2pmesh")
     add_parser(parser.add_subparsers(dest="command", required=True))
     return run(parser.parse_args(argv))

@@ -13,7 +13,7 @@ when the probe ends.
 
 Checks (docs/troubleshooting.md): thunderbolt, addresses, bridge, rdma, firewall, mdns, mlx,
 memory, agent. Exit codes: 0 no check failed (warnings allowed), 1 a check failed, 2 bad usage.
-cli.py calls add_parser/run; `python -m p2pmesh.doctor_cmd` runs it on its own.
+cli.py calls add_parser/run; `python -m p2pmesh.cli.doctor_cmd` runs it on its own.
 """
 from __future__ import annotations
 
