@@ -90,7 +90,7 @@ def test_bad_usage_exits_2(args: list[str], tmp_path: Path) -> None:
 
 
 def test_add_parser_and_run_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The two functions cli.py wires in."""
+    """The two functions cli/app.py wires in."""
     parser = argparse.ArgumentParser(prog="p2pmesh")
     doctor_cmd.add_parser(parser.add_subparsers(dest="command"))
     skips = [arg for name in CHECK_NAMES if name not in ("memory", "agent") for arg in ("--skip", name)]

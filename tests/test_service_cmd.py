@@ -151,12 +151,11 @@ def test_bad_agent_arguments_install_nothing(tmp_path: Path, extra: list[str], m
     assert _files(tmp_path) == []
 
 
-def test_the_p2pmesh_command_has_it_once_cli_wires_it(tmp_path: Path) -> None:
+def test_the_p2pmesh_command_has_it(tmp_path: Path) -> None:
     from p2pmesh.cli import app
 
-    sub = next(a for a in app._parser()._actions if isinstance(a, argparse._SubParsersAction))
-    if "service" not in sub.choices:
-        pytest.skip("cli.py does not wire `service` yet")
+    sub = next(a for a in app.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sub.choices["service"].get_default("run") is service_cmd.run
     r = _service(tmp_path, "install", "--dry-run", module="p2pmesh")
     assert r.returncode == 0, r.stderr
     assert _files(tmp_path) == []

@@ -37,6 +37,7 @@ POLL_S = 0.2
 
 def add_parser(subparsers: Any) -> None:
     local = subparsers.add_parser("local", help="run N agents on this computer (loopback) until Ctrl-C")
+    local.set_defaults(run=run)
     local.add_argument("--nodes", type=int, default=3)
     local.add_argument("--model", default=None, help="serve this model once the cluster formed")
     local.add_argument("--dir", type=Path, default=None, help="state directories go here (default: a new temp dir)")
