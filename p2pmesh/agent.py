@@ -48,7 +48,7 @@ from p2pmesh.core.machine import (
 from p2pmesh.core.messages import Capabilities, PortInfo, SetModel
 from p2pmesh.core.serving import ClientEvent, GenerateParams
 from p2pmesh.workers import Supervisor
-from p2pmesh.ring_view import ring_json
+from p2pmesh.core.ring_view import ring_json
 from p2pmesh.core.settings import Settings
 from p2pmesh.drivers import control, files, keys
 from p2pmesh.drivers.storage import Storage

@@ -9,7 +9,7 @@ client reads, and a verdict the simulator gives too (needs root; docs/reliabilit
     sudo .venv/bin/python scripts/chaos.py --hosts 3 --minutes 1 --seed 3 --tiny-model --split 2
 
 The bench: hosts+spares namespaces on one Ethernet switch, cabled in a Thunderbolt-marked
-ring (p2pmesh/netns.py). The first ``--hosts`` agents start and must form one cluster; then
+ring (p2pmesh/cli/netns.py). The first ``--hosts`` agents start and must form one cluster; then
 the schedule (sim/chaos_schedule.py) runs in real time: SIGKILL and restart, SIGSTOP and
 SIGCONT, a ring or LAN cable unplugged and plugged back, a graceful leave and a rejoin with
 a wiped state directory, a spare host joining. Meanwhile:
@@ -56,7 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from p2pmesh import netns  # noqa: E402
+from p2pmesh.cli import netns  # noqa: E402
 from p2pmesh.drivers.control import ControlError, request, stream  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
 from sim.chaos_schedule import (  # noqa: E402

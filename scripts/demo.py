@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import p2pmesh  # noqa: E402
-from p2pmesh import local_cmd, model_cmd, terminal  # noqa: E402
+from p2pmesh.cli import local_cmd, model_cmd, terminal  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
 from p2pmesh.peer_copy import copy_dir  # noqa: E402
 

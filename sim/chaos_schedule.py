@@ -13,7 +13,7 @@ liveness once everything has healed.
 
 Hosts are numbered as on the namespace bench: 0..hosts-1 start the run, hosts..hosts+spares-1
 are spares that a ``join`` step starts. Cables are the bench's Thunderbolt ring over all of
-them (p2pmesh/netns.py ``plug_ring``); every host is also on the LAN switch.
+them (p2pmesh/cli/netns.py ``plug_ring``); every host is also on the LAN switch.
 """
 from __future__ import annotations
 

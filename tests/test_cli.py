@@ -72,11 +72,27 @@ def ok(*args: str, **kw: object) -> str:
 
 
 def test_every_read_command_takes_json() -> None:
-    from p2pmesh.cli import _parser
+    from p2pmesh.cli.app import build_parser
 
-    parser = _parser()
+    parser = build_parser()
     for argv in READ_COMMANDS:
         assert parser.parse_args([*argv, "--json"]).json is True, argv
+
+
+def test_every_command_runs_its_own_module() -> None:
+    """Each subcommand's `run` default is the run of the p2pmesh/cli module that added it, so
+    app.main dispatches every command (and only through the command modules)."""
+    import argparse
+
+    from p2pmesh.cli import app
+
+    sub = next(a for a in app.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    runs = {name: sp.get_default("run") for name, sp in sub.choices.items()}
+    assert set(runs) == {"agent", "status", "members", "leave", "ring", "doctor", "links", "plan", "local", "service",
+                         "load", "model", "generate", "chat", "watch", "pair", "key"}
+    for name, run in runs.items():
+        module = next((m for m in app.COMMAND_MODULES if m.run is run), None)
+        assert module is not None, f"`p2pmesh {name}` dispatches to {run!r}, not to a command module's run"
 
 
 def test_no_agent_exit_1_and_says_how_to_start_one(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from p2pmesh import doctor_cmd
+from p2pmesh.cli import doctor_cmd
 from p2pmesh.core.doctor import CHECK_NAMES
 from p2pmesh.drivers.keys import write_key
 from tests.agent.harness import AgentProc, control_status, free_port, wait_for
@@ -29,7 +29,7 @@ STATUSES = {"ok", "warn", "fail", "skip"}
 
 
 def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "p2pmesh.doctor_cmd", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "p2pmesh.cli.doctor_cmd", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)
 
 
@@ -90,7 +90,7 @@ def test_bad_usage_exits_2(args: list[str], tmp_path: Path) -> None:
 
 
 def test_add_parser_and_run_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The two functions cli.py wires in."""
+    """The two functions cli/app.py wires in."""
     parser = argparse.ArgumentParser(prog="p2pmesh")
     doctor_cmd.add_parser(parser.add_subparsers(dest="command"))
     skips = [arg for name in CHECK_NAMES if name not in ("memory", "agent") for arg in ("--skip", name)]

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from p2pmesh import service_cmd
-from p2pmesh.service_cmd import Host
+from p2pmesh.cli import service_cmd
+from p2pmesh.cli.service_cmd import Host
 from tests.core.test_service_unit import LAUNCHCTL_RUNNING, SYSTEMCTL_NOT_FOUND, SYSTEMCTL_RUNNING
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +41,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _service(tmp_path: Path, *args: str, module: str = "p2pmesh.service_cmd") -> subprocess.CompletedProcess[str]:
+def _service(tmp_path: Path, *args: str, module: str = "p2pmesh.cli.service_cmd") -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", module, "service", *args], cwd=ROOT, env=_env(tmp_path),
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)
 
@@ -151,12 +151,11 @@ def test_bad_agent_arguments_install_nothing(tmp_path: Path, extra: list[str], m
     assert _files(tmp_path) == []
 
 
-def test_the_p2pmesh_command_has_it_once_cli_wires_it(tmp_path: Path) -> None:
-    from p2pmesh import cli
+def test_the_p2pmesh_command_has_it(tmp_path: Path) -> None:
+    from p2pmesh.cli import app
 
-    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
-    if "service" not in sub.choices:
-        pytest.skip("cli.py does not wire `service` yet")
+    sub = next(a for a in app.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sub.choices["service"].get_default("run") is service_cmd.run
     r = _service(tmp_path, "install", "--dry-run", module="p2pmesh")
     assert r.returncode == 0, r.stderr
     assert _files(tmp_path) == []

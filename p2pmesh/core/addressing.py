@@ -12,7 +12,7 @@ in a common subnet. The rule (docs/links.md, "Addressing the data plane"):
 
 The commands are additive and non-persistent (an alias, gone at reboot): we never disable a
 bridge, switch a network location, edit a service or touch DHCP. The I/O lives in
-p2pmesh/drivers/netconfig.py; the CLI in p2pmesh/links_cmd.py.
+p2pmesh/drivers/netconfig.py; the CLI in p2pmesh/cli/links_cmd.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`p2pmesh doctor`'s judgement (pure): facts about this machine in, one Check per topic out.
 
-Theory of operation. The driver (p2pmesh/doctor_cmd.py) runs bounded commands, reads a few
+Theory of operation. The driver (p2pmesh/cli/doctor_cmd.py) runs bounded commands, reads a few
 files and probes mDNS; it hands what it got to the ``check_*`` functions here, raw command
 output wrapped in ``Output`` (the text, or why there is none). A check turns its facts into
 ``Finding``s, one observation each with a one-line summary and, when something is wrong, a

@@ -13,7 +13,7 @@ Both renderings restart the agent when it crashes (a non-zero exit or a signal) 
 stopped when it exits 0, which is what `p2pmesh leave` and SIGTERM produce: otherwise a
 clean leave would come straight back.
 
-No I/O here: p2pmesh.service_cmd finds the paths, writes the files and runs launchctl or
+No I/O here: p2pmesh.cli.service_cmd finds the paths, writes the files and runs launchctl or
 systemctl. A bad spec raises ``ServiceSpecError`` (the caller's fault); output this module
 cannot read raises ``ServiceOutputError`` (the manager's).
 """

@@ -1,4 +1,4 @@
-"""The namespace bench (p2pmesh/netns.py) for tests: skip without root outside CI, fail in
+"""The namespace bench (p2pmesh/cli/netns.py) for tests: skip without root outside CI, fail in
 CI where these tests must run; agents started inside the bench's hosts."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from p2pmesh import netns
-from p2pmesh.netns import Cable, ip  # noqa: F401 - re-exported for the tests
+from p2pmesh.cli import netns
+from p2pmesh.cli.netns import Cable, ip  # noqa: F401 - re-exported for the tests
 from tests.agent.harness import AgentProc
 
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pmesh import links_cmd
+from p2pmesh.cli import links_cmd
 from p2pmesh.core.thunderbolt import (
     CaptureError,
     HardwarePort,

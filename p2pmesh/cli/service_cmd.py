@@ -12,8 +12,8 @@ and (re)started with ``systemctl --user``; output goes to the journal.
 The file contents come from p2pmesh.core.service_unit; this module finds the paths, writes
 the file atomically and runs launchctl or systemctl, each call bounded by a timeout. When
 the service manager is missing or refuses, the written file stays, and the message says what
-failed and which commands to run by hand. See docs/service.md. cli.py calls add_parser/run;
-``python -m p2pmesh.service_cmd service ...`` runs the same code on its own.
+failed and which commands to run by hand. See docs/service.md. cli/app.py calls add_parser/run;
+``python -m p2pmesh.cli.service_cmd service ...`` runs the same code on its own.
 
 Exit codes: 0 done (or nothing to do); 1 the service manager is unavailable or refused, or the
 file could not be written; 2 bad usage (bad agent arguments, run under sudo).
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from p2pmesh.cli import agent_cmd
 from p2pmesh.core.service_unit import (
     DEFAULT_LABEL,
     STOP_TIMEOUT_S,
@@ -123,6 +124,7 @@ def add_parser(subparsers: Any) -> None:
     """Add `service install|uninstall|status` to an argparse subparsers object."""
     service = subparsers.add_parser(
         "service", help="start the agent at login (a launchd agent on macOS, a systemd user unit on Linux)")
+    service.set_defaults(run=run)
     sub = service.add_subparsers(dest="service_command", required=True, metavar="{install,uninstall,status}")
     install = sub.add_parser(
         "install", help="write the service file and start the agent now and at every login",
@@ -276,10 +278,10 @@ def _start(host: Host) -> None:
 def _agent_args(extra: list[str]) -> tuple[str, ...]:
     """Check the arguments after `--` the way `p2pmesh agent` will read them, so the service
     does not start into a crash loop."""
-    from p2pmesh.cli import _parser
-
+    parser = argparse.ArgumentParser(prog="p2pmesh")
+    agent_cmd.add_parser(parser.add_subparsers(dest="command", required=True))
     try:
-        parsed, unknown = _parser().parse_known_args(["agent", "--state-dir", _STATE_DIR_PROBE, *extra])
+        parsed, unknown = parser.parse_known_args(["agent", "--state-dir", _STATE_DIR_PROBE, *extra])
     except SystemExit as exc:  # argparse has printed the problem (or the agent's --help)
         raise _Refused("nothing was installed" if exc.code == 0 else
                        "the arguments after `--` must be `p2pmesh agent` options; nothing was installed",
@@ -503,7 +505,7 @@ def _status(args: argparse.Namespace, host: Host) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m p2pmesh.service_cmd service ...`: this command without the rest of the CLI."""
+    """`python -m p2pmesh.cli.service_cmd service ...`: this command without the rest of the CLI."""
     parser = argparse.ArgumentParser(prog="p2pmesh")
     add_parser(parser.add_subparsers(dest="command", required=True))
     return run(parser.parse_args(argv))

@@ -13,7 +13,7 @@ when the probe ends.
 
 Checks (docs/troubleshooting.md): thunderbolt, addresses, bridge, rdma, firewall, mdns, mlx,
 memory, agent. Exit codes: 0 no check failed (warnings allowed), 1 a check failed, 2 bad usage.
-cli.py calls add_parser/run; `python -m p2pmesh.doctor_cmd` runs it on its own.
+cli/app.py calls add_parser/run; `python -m p2pmesh.cli.doctor_cmd` runs it on its own.
 """
 from __future__ import annotations
 
@@ -148,7 +148,9 @@ class Options:
 def add_parser(subparsers: Any) -> None:
     """Add `doctor` to an argparse subparsers object (from add_subparsers())."""
     helptext = "check this machine (cables, bridge, RDMA, firewall, mDNS, MLX, memory, agent) and say what to fix"
-    _add_arguments(subparsers.add_parser("doctor", help=helptext, description=helptext))
+    doctor = subparsers.add_parser("doctor", help=helptext, description=helptext)
+    doctor.set_defaults(run=run)
+    _add_arguments(doctor)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ Mac, or a bug report, can be checked anywhere; the parsing lives in p2pmesh.core
 and prints the exact commands this Mac would run to give its ring cables their addresses
 (p2pmesh.core.addressing), plus bridge warnings. It changes nothing. `apply` prints the same
 plan, asks for confirmation (on a terminal, unless --yes) and runs the commands through
-p2pmesh.drivers.netconfig. See docs/links.md. cli.py calls add_parser/run.
+p2pmesh.drivers.netconfig. See docs/links.md. cli/app.py calls add_parser/run.
 
 Exit codes: 0 success or nothing to do; 1 a command failed (or this Mac's network could not
 be read); 2 unreadable or malformed input, no ring, not confirmed, or an unsafe plan.
@@ -48,6 +48,7 @@ def add_parser(subparsers: Any) -> None:
     links = subparsers.add_parser(
         "links", help="show this Mac's ports live (no subcommand); parse captures; address the ring's cables"
     )
+    links.set_defaults(run=run)
     links.add_argument("--json", action="store_true", help="with no subcommand: the live ports as JSON")
     links_sub = links.add_subparsers(dest="links_command", metavar="{parse,plan,apply}")
     parse = links_sub.add_parser("parse", help="parse saved system_profiler/networksetup captures")

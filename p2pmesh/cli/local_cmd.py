@@ -37,6 +37,7 @@ POLL_S = 0.2
 
 def add_parser(subparsers: Any) -> None:
     local = subparsers.add_parser("local", help="run N agents on this computer (loopback) until Ctrl-C")
+    local.set_defaults(run=run)
     local.add_argument("--nodes", type=int, default=3)
     local.add_argument("--model", default=None, help="serve this model once the cluster formed")
     local.add_argument("--dir", type=Path, default=None, help="state directories go here (default: a new temp dir)")
@@ -130,7 +131,7 @@ def formed(statuses: list[dict[str, Any] | None], count: int) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from p2pmesh import netns
+    from p2pmesh.cli import netns
 
     if not 1 <= args.nodes <= NODES_MAX:
         print(f"p2pmesh: --nodes must be between 1 and {NODES_MAX}", file=sys.stderr)

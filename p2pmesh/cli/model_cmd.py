@@ -16,21 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from p2pmesh import client as api
+from p2pmesh.cli.common import EXIT_NOT_READY, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, add_target, socket_of
 
-EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, EXIT_NOT_READY = 0, 1, 2, 3
 CHAT_TURNS_MAX = 32
 """Conversation turns kept in an interactive chat (older ones are dropped, the system
 message stays): bounds the prompt the cluster is asked to process."""
 CHAT_LINE_CHARS_MAX = 16_384
 
 
-def add_parsers(subparsers: Any, add_target: Callable[[argparse.ArgumentParser], None]) -> None:
-    """`add_target` adds the options naming the agent (--state-dir, --socket)."""
+def add_parser(subparsers: Any) -> None:
+    """Add load, model, generate, chat and watch, each with the options naming the agent."""
     load = subparsers.add_parser("load", help="serve a model cluster-wide and wait until it serves (progress bar)")
     load.add_argument("model", help="a local directory in the Hugging Face layout, or a Hugging Face id (org/name)")
     load.add_argument("--context-tokens", type=int, default=api.DEFAULT_CONTEXT_TOKENS,
@@ -67,6 +66,8 @@ def add_parsers(subparsers: Any, add_target: Callable[[argparse.ArgumentParser],
     watch.add_argument("--count", type=int, default=None, help="stop after this many events")
     watch.add_argument("--interval", type=float, default=api.POLL_S, help="seconds between polls of the agent")
     add_target(watch)
+    for sp in (load, model, gen, chat, watch):
+        sp.set_defaults(run=run)
 
 
 def _sampling(sp: argparse.ArgumentParser) -> None:
@@ -76,10 +77,10 @@ def _sampling(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--seed", type=int, default=0)
 
 
-def run(args: argparse.Namespace, address: Path | None) -> int:
+def run(args: argparse.Namespace) -> int:
     handlers = {"load": _load, "model": _model, "generate": _generate, "chat": _chat, "watch": _watch}
     try:
-        with api.connect(address) as cluster:
+        with api.connect(socket_of(args)) as cluster:
             return handlers[args.command](args, cluster)
     except KeyboardInterrupt:
         return 130
@@ -101,7 +102,7 @@ def _failed(exc: api.P2PMeshError) -> int:
 
 
 def _load(args: argparse.Namespace, cluster: api.Client) -> int:
-    from p2pmesh import terminal
+    from p2pmesh.cli import terminal
 
     con = terminal.console()
     if args.json:
@@ -250,7 +251,7 @@ def _messages(message: str | None, interactive: bool) -> Iterator[str]:
 
 
 def _watch(args: argparse.Namespace, cluster: api.Client) -> int:
-    from p2pmesh import terminal
+    from p2pmesh.cli import terminal
 
     if args.count is not None and args.count < 1:
         raise api.BadRequest("--count must be at least 1")

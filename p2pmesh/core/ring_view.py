@@ -1,5 +1,5 @@
 """The committed ring as JSON: the `ring` object of `p2pmesh status --json` (drawn for
-people by p2pmesh/terminal.py).
+people by p2pmesh/cli/terminal.py). Pure: the agent builds its status from it.
 
 The JSON is built from the committed cluster state only, with each hop's measured RTT taken
 from the latest probe results the two ends published (the ring itself does not change when
@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from p2pmesh.core.messages import ClusterState, RingHop
-
 
 
 def ring_json(state: ClusterState) -> dict[str, Any]:

@@ -19,6 +19,7 @@ STRATEGIES = ("ours", "memory-proportional")
 
 def add_parser(subparsers: Any) -> None:
     plan = subparsers.add_parser("plan", help="plan which Mac runs which layers (`plan solve`)")
+    plan.set_defaults(run=run)
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
     solve = plan_sub.add_parser("solve", help="place a model's layers on a described cluster (docs/placement.md)")
     solve.add_argument("scenario", type=Path, help='SCENARIO.json: {"model": {...}, "nodes": [...], "links": [...]}')

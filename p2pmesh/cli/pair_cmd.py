@@ -14,18 +14,20 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from p2pmesh import pairing
+from p2pmesh.cli.common import add_target, socket_of
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 JOIN_WAIT_S = 60.0
 """How long `pair --join` waits, after the key arrived, to see this Mac in the new cluster."""
 
 
-def add_parser(subparsers: Any, target: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_parser(subparsers: Any) -> None:
     pair = subparsers.add_parser("pair", help="let a Mac join over a Thunderbolt cable after both users check a code")
-    target(pair)
+    pair.set_defaults(run=run)
+    add_target(pair)
     pair.add_argument("--join", action="store_true", help="this is the new Mac: get the key from the Mac at the other end of a cable")
     pair.add_argument("--timeout", type=float, default=pairing.WINDOW_S_DEFAULT, metavar="S",
                       help="give up after this many seconds (default %(default).0f)")
@@ -38,7 +40,7 @@ def _digits(code: str) -> str:
     return "".join(ch for ch in code if ch.isdigit())
 
 
-def run(args: argparse.Namespace, socket: Path | None) -> int:
+def run(args: argparse.Namespace) -> int:
     from p2pmesh.client import locate_socket
     from p2pmesh.drivers.control import ControlError, stream
 
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace, socket: Path | None) -> int:
     if args.yes_if_code is not None and len(_digits(args.yes_if_code)) != 6:
         print("p2pmesh: --yes-if-code takes the six digits the other Mac shows", file=sys.stderr)
         return EXIT_USAGE
-    path, _ = locate_socket(socket)
+    path, _ = locate_socket(socket_of(args))
     final: dict[str, Any] = {}
     try:
         for event in stream(path, "pair", idle_timeout_s=args.timeout + 30, reply=lambda e: _answer(args, e),

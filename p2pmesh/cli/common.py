@@ -1,0 +1,61 @@
+"""What every command shares: the exit codes, the options that name the agent to ask
+(--state-dir, --socket) and the state directory, and reading that agent's status.
+
+Exit codes (README): 0 done; 1 the agent is not reachable, failed or refused; 2 bad usage or
+input; 3 the cluster is not ready (no quorum in time, no model loaded). A command may give
+1 a narrower meaning of its own (plan: the model fits nowhere), said in its module.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, EXIT_NOT_READY = 0, 1, 2, 3
+
+
+def add_state_dir(sp: argparse.ArgumentParser) -> None:
+    """--state-dir for commands that own the directory (agent, key): the default is filled in."""
+    from p2pmesh.agent import default_state_dir
+
+    sp.add_argument("--state-dir", type=Path, default=default_state_dir(), help="default: %(default)s")
+
+
+def add_target(sp: argparse.ArgumentParser) -> None:
+    """Which agent to ask: --socket, else --state-dir's socket, else $P2PMESH_SOCKET, else the
+    default state directory's (the client API's rule)."""
+    from p2pmesh.agent import default_state_dir
+
+    sp.add_argument("--state-dir", type=Path, default=None, help=f"the agent's state directory (default: {default_state_dir()})")
+    sp.add_argument("--socket", type=Path, default=None, help="the agent's control socket (default: in the state directory)")
+
+
+def socket_of(args: argparse.Namespace) -> Path | None:
+    """The agent to ask, from --socket/--state-dir (None: the client API's default rule)."""
+    if getattr(args, "socket", None) is not None:
+        return args.socket
+    if getattr(args, "state_dir", None) is not None:
+        return args.state_dir / "agent.sock"
+    return None
+
+
+def failed(message: object, code: int) -> int:
+    """Say what went wrong on stderr, the CLI's way (`p2pmesh: ...`), and return `code`."""
+    print(f"p2pmesh: {message}", file=sys.stderr)
+    return code
+
+
+def read_status(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The asked agent's `status` object, or None once the reason it could not be read was
+    said on stderr (exit EXIT_UNAVAILABLE)."""
+    from p2pmesh.client import locate_socket
+    from p2pmesh.drivers.control import ControlError, request
+
+    path, _ = locate_socket(socket_of(args))
+    try:
+        status: dict[str, Any] = request(path, "status", timeout_s=30.0)["status"]
+    except ControlError as exc:
+        failed(exc, EXIT_UNAVAILABLE)
+        return None
+    return status
