@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from p2pmesh.core.cluster import empty_state, find_member
@@ -88,11 +87,13 @@ from p2pmesh.core.node_io import (  # the machine's inputs and outputs, importab
     WorkerOutput,
 )
 from p2pmesh.core.leader import LeaderDuties
+from p2pmesh.core.leave import LeaveStep
+from p2pmesh.core.peers import PeerBook, rank
 from p2pmesh.core.publishing import LocalFacts, Publisher
 from p2pmesh.core.raft import HardState, Raft, RaftOutput, Role
 from p2pmesh.core.serving import Router
 from p2pmesh.core.settings import Settings
-from p2pmesh.core import dataplane, validate, wire
+from p2pmesh.core import dataplane, leave, validate, wire
 
 INC_MAX = 2**63 - 1
 _EVENT_NAMES = {
@@ -102,16 +103,6 @@ _EVENT_NAMES = {
     MarkDown: "member down",
     MarkUp: "member up",
 }
-
-
-@dataclass(slots=True)
-class _PeerInfo:
-    addresses: tuple[str, ...]
-    hello: Hello | None = None
-    hello_ms: int = -1
-    mate: Peer | None = None
-    """The incarnation last seen speaking Raft in our cluster (so no Hello is needed)."""
-    replied_ms: int = -(10**9)
 
 
 # --------------------------------------------------------------------------------------
@@ -141,7 +132,7 @@ class Machine:
         self.raft: Raft | None = None
         self.started_ms = now_ms
         self.now_ms = now_ms
-        self.peers: dict[NodeId, _PeerInfo] = {}
+        self.peers = PeerBook(settings.peers_known_max, settings.peer_silent_ms)
         self.last_heard: dict[NodeId, int] = {}
         self.unhealthy_since_ms: int | None = now_ms
         self.hello_due_ms = now_ms
@@ -303,7 +294,7 @@ class Machine:
         self.receive(event.peer, event.message, now_ms)
 
     def _on_vanished(self, event: PeerVanished, now_ms: int) -> None:
-        self.peers.pop(event.node_id, None)
+        self.peers.forget(event.node_id)
 
     def _on_proposal(self, event: ProposalRequested, now_ms: int) -> None:
         self._propose(event.command, now_ms)
@@ -425,10 +416,8 @@ class Machine:
             return
         info = self.peers.get(event.node_id)
         if info is None:
-            if len(self.peers) >= self.settings.peers_known_max:
-                return
-            self.peers[event.node_id] = _PeerInfo(event.addresses)
-            self._send_hello(event.node_id, now_ms)
+            if self.peers.learn(event.node_id, event.addresses) is not None:
+                self._send_hello(event.node_id, now_ms)
         else:
             info.addresses = event.addresses
 
@@ -442,11 +431,9 @@ class Machine:
         self.ready.messages.append((to, self._hello(now_ms)))
 
     def _on_hello(self, h: Hello, now_ms: int) -> None:
-        info = self.peers.get(h.src)
+        info = self.peers.learn(h.src, h.addresses)
         if info is None:
-            if len(self.peers) >= self.settings.peers_known_max:
-                return
-            info = self.peers[h.src] = _PeerInfo(h.addresses)
+            return
         info.hello = h
         info.hello_ms = now_ms
         info.mate = None
@@ -457,33 +444,15 @@ class Machine:
                 info.replied_ms = now_ms
                 self._send_hello(h.src, now_ms)
 
-    def _fresh_hellos(self, now_ms: int) -> list[Hello]:
-        horizon = now_ms - self.settings.peer_silent_ms
-        return [p.hello for p in self.peers.values() if p.hello is not None and p.hello_ms >= horizon]
-
-    @staticmethod
-    def _rank(members: int, cluster: ClusterId) -> tuple[int, str]:
-        # Larger clusters win; between equals the lower id wins (negate by inverting chars).
-        return (members, "".join(chr(0x10FFFF - ord(c)) for c in cluster))
-
-    def _best_foreign_cluster(self, now_ms: int) -> Hello | None:
-        best: Hello | None = None
-        for h in self._fresh_hellos(now_ms):
-            if h.cluster is None or not h.healthy or h.cluster == self.cluster or h.members == 0:
-                continue
-            if best is None or self._rank(h.members, h.cluster) > self._rank(best.members, best.cluster):  # type: ignore[arg-type]
-                best = h
-        return best
-
     def _formation_step(self, now_ms: int) -> None:
         """Decide, on the hello timer, whether to bootstrap, join, switch or go standalone."""
         if self.leaving:
             return
-        best = self._best_foreign_cluster(now_ms)
+        best = self.peers.best_foreign_cluster(self.cluster, now_ms)
         if self.mode is Mode.UNFORMED:
             if best is not None:
                 self._join(best, now_ms)
-            elif now_ms - self.started_ms >= self.settings.formation_wait_ms and self._lowest_unformed(now_ms):
+            elif now_ms - self.started_ms >= self.settings.formation_wait_ms and self.peers.lowest_unformed(self.node_id, now_ms):
                 self._bootstrap(now_ms, reason="formed")
             return
         r = self.raft
@@ -500,14 +469,14 @@ class Machine:
             self.unhealthy_since_ms is not None and now_ms - self.unhealthy_since_ms >= self.settings.standalone_after_ms
         )
         if best is not None:
-            mine = self._rank(len(r.state.members), r.cluster)
-            if self._rank(best.members, best.cluster) > mine or unhealthy_long:  # type: ignore[arg-type]
+            mine = rank(len(r.state.members), r.cluster)
+            if rank(best.members, best.cluster) > mine or unhealthy_long:  # type: ignore[arg-type]
                 self._join(best, now_ms)
                 return
         if unhealthy_long:
             # Our own cluster is alive without us (we were removed, or cut off from the
             # leader for long): come back as a fresh incarnation.
-            mates = [h for h in self._fresh_hellos(now_ms) if h.cluster == r.cluster and h.healthy and h.leader]
+            mates = [h for h in self.peers.fresh_hellos(now_ms) if h.cluster == r.cluster and h.healthy and h.leader]
             if mates:
                 self._join(mates[0], now_ms)
                 return
@@ -515,9 +484,6 @@ class Machine:
             # The user's choice of model outlives the cluster it was made in: a Mac left
             # alone (the other of two died) keeps serving it, and the merge keeps it after.
             self._bootstrap(now_ms, reason="standalone", model=r.state.model)
-
-    def _lowest_unformed(self, now_ms: int) -> bool:
-        return all(h.src > self.node_id for h in self._fresh_hellos(now_ms) if h.cluster is None)
 
     def _bootstrap(self, now_ms: int, *, reason: str, model: ModelInfo | None = None) -> None:
         """Found a new one-member cluster (a first formation, or continuing standalone with
@@ -708,47 +674,24 @@ class Machine:
         if r is None or self.mode is not Mode.MEMBER:
             self._finish_leave()
             return
-        if now_ms >= self.leave_deadline_ms:
-            # No leader acknowledged in time: stop anyway; the cluster will mark us down
-            # and remove us after remove_after_ms, exactly as for a crash.
+        step = leave.next_step(
+            r, self.me, joining=self.joining is not None, holds_layers=self._holds_layers(),
+            draining=self.node_id in r.state.draining, now_ms=now_ms, deadline_ms=self.leave_deadline_ms,
+            drain_until_ms=self.leave_deadline_ms - self.settings.leave_timeout_ms,
+        )
+        if step is LeaveStep.TIMED_OUT:
             self.ready.events.append(ClusterEvent("leave not confirmed", "stopping anyway"))
             self._finish_leave()
-            return
-        still_member = any(p.node_id == self.node_id for p in (*r.config.voters, *r.config.learners))
-        if not still_member and self.joining is not None:
-            # Still joining: the leader may already have added us without our knowing yet.
-            # Leaving silently would leave a member behind that is down until removed minutes
-            # later; wait for the log (or the deadline) and then leave properly.
-            return
-        if not still_member:
-            # Our removal is in our log, but a config entry takes effect when appended, so it
-            # may not be committed yet: stopping now could leave a departed voter in the
-            # configuration. The leader's RemovalNotice (sent when the removal commits) or
-            # applying the removal ourselves ends the leave; the deadline bounds the wait.
-            # (A leader outside its own configuration was the last voter: nobody confirms.)
-            if r.role is not Role.LEADER and any(m.node_id == self.node_id and m.inc == self.inc for m in r.state.members):
-                return
-            self._finish_leave(confirmed=r.role is not Role.LEADER)
-            return
-        if len(r.config.voters) <= 1 and not r.config.learners:
-            self._finish_leave()
-            return
-        if self._holds_layers() and now_ms < self.leave_deadline_ms - self.settings.leave_timeout_ms:
-            # Drain first: the cluster plans the model without us and switches to that
-            # epoch while we still serve; only then do we leave (make before break).
-            if self.node_id not in r.state.draining:
-                self._propose(Drain(self.node_id, self.inc), now_ms)
-            return
-        if r.role is Role.LEADER:
-            others = [p for p in r.config.voters if p != self.me]
-            if others and r.transfer_to is None:
-                best = max(others, key=lambda p: (r.progress[p].match if p in r.progress else -1, p.node_id))
-                r.transfer_leadership(best, now_ms)
-            elif not others:
-                r.propose(RemoveMember(self.node_id, self.inc, "left"), now_ms)
-        elif r.leader is not None:
-            cmd = RemoveMember(self.node_id, self.inc, "left")
-            self.ready.messages.append((r.leader.node_id, ForwardProposal(r.header_to(r.leader), cmd)))
+        elif step in (LeaveStep.FINISH, LeaveStep.FINISH_CONFIRMED):
+            self._finish_leave(confirmed=step is LeaveStep.FINISH_CONFIRMED)
+        elif step is LeaveStep.DRAIN:
+            self._propose(Drain(self.node_id, self.inc), now_ms)
+        elif step is LeaveStep.TRANSFER:
+            r.transfer_leadership(leave.transfer_target(r, self.me), now_ms)
+        elif step is LeaveStep.REMOVE_SELF:
+            r.propose(RemoveMember(self.node_id, self.inc, "left"), now_ms)
+        elif step is LeaveStep.FORWARD_REMOVE:
+            self._propose(RemoveMember(self.node_id, self.inc, "left"), now_ms)
 
     def _holds_layers(self) -> bool:
         """Whether the serving or the pending placement gives this node model layers."""
