@@ -86,7 +86,7 @@ class _TimedMachine(Machine):
         ready = super().handle(event, now_ms)
         took = time.process_time() - started
         if self.raft is not None and self.raft.role is Role.LEADER:
-            _TimedMachine.steps.append((took, self._ring_solving is not None))
+            _TimedMachine.steps.append((took, self.duties.ring_solving is not None))
         return ready
 
 

@@ -26,13 +26,12 @@ Formation and merging (no seed node, no configuration)
 """
 from __future__ import annotations
 
-import enum
 import random
-from collections.abc import Generator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any
 
 from p2pmesh.core.cluster import empty_state, find_member
-from p2pmesh.core.errors import RemoteProtocolError
+from p2pmesh.core.errors import LocalProtocolError, RemoteProtocolError
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.log import RaftLog
 from p2pmesh.core.messages import (
@@ -49,33 +48,52 @@ from p2pmesh.core.messages import (
     InferRequest,
     InferTokens,
     JoinRequest,
-    LinkProbe,
     MarkDown,
-    Measure,
-    MeasureFailed,
     MarkUp,
     ModelInfo,
     MESSAGE_TYPES,
     Message,
     Peer,
-    PortInfo,
     Promote,
-    PublishMeasure,
-    PublishPorts,
     RemovalNotice,
     RemoveMember,
     SetModel,
-    UpdateMember,
-    StageFetched,
     Snapshot,
-    WorkerFailed,
-    WorkerFault,
-    WorkerReady,
 )
+from p2pmesh.core.node_io import (  # the machine's inputs and outputs, importable from here too
+    AddressesChanged,
+    ClusterEvent,
+    FrameReceived,
+    GenerateRequested,
+    Input,
+    LeaveRequested,
+    MessageReceived,
+    Mode,
+    ModelMeasured,
+    NodeHardState,
+    PeerDiscovered,
+    PeerVanished,
+    PersistedState,
+    PortsObserved,
+    ProbesMeasured,
+    ProposalRequested,
+    ReadRequested,
+    Ready,
+    StageFilesFetched,
+    Status,
+    TimerFired,
+    WorkerCrashed,
+    WorkerLoaded,
+    WorkerOutput,
+)
+from p2pmesh.core.leader import LeaderDuties
+from p2pmesh.core.leave import LeaveStep
+from p2pmesh.core.peers import PeerBook, rank
+from p2pmesh.core.publishing import LocalFacts, Publisher
 from p2pmesh.core.raft import HardState, Raft, RaftOutput, Role
-from p2pmesh.core.serving import ClientEvent, GenerateParams, Router, WorkerSubmit
+from p2pmesh.core.serving import Router
 from p2pmesh.core.settings import Settings
-from p2pmesh.core import dataplane, physical, validate, wire
+from p2pmesh.core import dataplane, leave, validate, wire
 
 INC_MAX = 2**63 - 1
 _EVENT_NAMES = {
@@ -87,245 +105,6 @@ _EVENT_NAMES = {
 }
 
 
-class Mode(enum.Enum):
-    UNFORMED = "unformed"
-    MEMBER = "member"
-    LEFT = "left"
-
-
-# --------------------------------------------------------------------------------------
-# Inputs (past-tense facts)
-
-
-@dataclass(frozen=True, slots=True)
-class FrameReceived:
-    """A frame arrived over a connection authenticated as ``peer``."""
-
-    peer: NodeId
-    data: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class MessageReceived:
-    """A message from ``peer`` that this process's own driver encoded (the simulator): no
-    frame to decode, but the same semantic checks as a frame's. The agent never makes one."""
-
-    peer: NodeId
-    message: Message
-
-
-@dataclass(frozen=True, slots=True)
-class PeerDiscovered:
-    node_id: NodeId
-    addresses: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class PeerVanished:
-    node_id: NodeId
-
-
-@dataclass(frozen=True, slots=True)
-class TimerFired:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class ProposalRequested:
-    command: Command
-
-
-@dataclass(frozen=True, slots=True)
-class ReadRequested:
-    ctx: int
-
-
-@dataclass(frozen=True, slots=True)
-class LeaveRequested:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class AddressesChanged:
-    """This node's control-plane addresses ("host:port") changed: a cable came up with an
-    address, a laptop moved to another network, DHCP gave another lease."""
-
-    addresses: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class PortsObserved:
-    """The driver's link watcher saw this node's ports change (cable plugged or pulled,
-    address added)."""
-
-    ports: tuple[PortInfo, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ProbesMeasured:
-    """Fresh results of the bounded link probes to cabled peers."""
-
-    probes: tuple[LinkProbe, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelMeasured:
-    """This node measured the cluster's model: its usable memory and one layer's time (or
-    why it cannot load the model at all)."""
-
-    measure: Measure | MeasureFailed
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoaded:
-    """This node's worker for data-plane ``epoch`` loaded its layers and joined its group."""
-
-    epoch: int
-
-
-@dataclass(frozen=True, slots=True)
-class StageFilesFetched:
-    """The model files of this node's stage in data-plane ``epoch`` are on its disk."""
-
-    epoch: int
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateRequested:
-    """A local client asked for a generation (``req`` is unique on this node)."""
-
-    req: str
-    params: GenerateParams
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerOutput:
-    """The local head worker of ``epoch`` streamed tokens (or finished) for a request."""
-
-    epoch: int
-    req: str
-    tokens: tuple[int, ...]
-    text: str
-    done: bool
-    finish: str
-    prompt_tokens: tuple[int, ...]
-    attempt: int = 0
-    broken: bool = False
-    """The worker's pipeline failed under the request (a peer lost): the epoch's fault, not the
-    request's, so it resumes on the next epoch. Only an error the worker blames on the request
-    itself (a bad prompt, too long) ends it."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerCrashed:
-    """This node's worker for data-plane ``epoch`` exited or stopped answering."""
-
-    epoch: int
-    fault: WorkerFault | None = None
-    """Why, when the worker said (its ring peer unreachable, its port taken)."""
-
-
-Input = (
-    FrameReceived
-    | MessageReceived
-    | PeerDiscovered
-    | PeerVanished
-    | TimerFired
-    | ProposalRequested
-    | ReadRequested
-    | LeaveRequested
-    | PortsObserved
-    | AddressesChanged
-    | ProbesMeasured
-    | ModelMeasured
-    | WorkerLoaded
-    | StageFilesFetched
-    | GenerateRequested
-    | WorkerOutput
-    | WorkerCrashed
-)
-
-
-# --------------------------------------------------------------------------------------
-# Outputs
-
-
-@dataclass(frozen=True, slots=True)
-class NodeHardState:
-    """Durable per-node facts besides the log: which cluster, which incarnation, Raft's
-    term and vote. Written before any message of the same Ready is sent."""
-
-    cluster: ClusterId | None
-    inc: int
-    term: int
-    vote: Peer | None
-
-
-@dataclass(frozen=True, slots=True)
-class PersistedState:
-    """What a driver hands back at boot: the last hard state, snapshot and entries."""
-
-    hard: NodeHardState
-    snapshot: Snapshot
-    entries: tuple[Entry, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterEvent:
-    """Something worth one log line: kind is a short verb phrase, detail a node or term."""
-
-    kind: str
-    detail: str
-
-
-@dataclass(slots=True)
-class Ready:
-    """One batch of effects. Contract for drivers: first make the durable part durable
-    (``hard``; then ``snapshot``, which drops stored entries at or below its index; then
-    the log suffix: drop stored entries at ``log_truncate_from`` and after, append
-    ``log_entries``, which start at ``max(log_truncate_from, snapshot.index + 1)`` and are
-    contiguous), then send ``messages``, then act on ``applied``, ``reads``, ``events``
-    and ``left``. Readies are handled strictly in order."""
-
-    hard: NodeHardState | None = None
-    snapshot: Snapshot | None = None
-    log_truncate_from: int | None = None
-    log_entries: tuple[Entry, ...] = ()
-    messages: list[tuple[NodeId, Message]] = field(default_factory=list)
-    applied: list[Entry] = field(default_factory=list)
-    reads: list[tuple[int, bool]] = field(default_factory=list)
-    events: list[ClusterEvent] = field(default_factory=list)
-    left: bool = False
-    submits: list[WorkerSubmit] = field(default_factory=list)
-    """Requests for the local head worker (after the messages)."""
-    client: list[ClientEvent] = field(default_factory=list)
-    """Tokens and ends of requests local clients asked for."""
-
-
-@dataclass(frozen=True, slots=True)
-class Status:
-    node_id: NodeId
-    inc: int
-    mode: Mode
-    cluster: ClusterId | None
-    role: str
-    term: int
-    leader: NodeId | None
-    commit_index: int
-    applied_index: int
-    healthy: bool
-
-
-@dataclass(slots=True)
-class _PeerInfo:
-    addresses: tuple[str, ...]
-    hello: Hello | None = None
-    hello_ms: int = -1
-    mate: Peer | None = None
-    """The incarnation last seen speaking Raft in our cluster (so no Hello is needed)."""
-    replied_ms: int = -(10**9)
-
-
 # --------------------------------------------------------------------------------------
 
 
@@ -333,6 +112,7 @@ class Machine:
     """One node's complete decision logic. Construct with ``Machine.boot``."""
 
     raft_class: type[Raft] = Raft
+    leader_class: type[LeaderDuties] = LeaderDuties
 
     def __init__(
         self,
@@ -347,16 +127,13 @@ class Machine:
         self.node_id = node_id
         self.settings = settings
         self.rng = rng
-        self.addresses = addresses
-        self.caps = caps
         self.mode = Mode.UNFORMED
         self.inc = self._new_inc()
         self.raft: Raft | None = None
         self.started_ms = now_ms
         self.now_ms = now_ms
-        self.peers: dict[NodeId, _PeerInfo] = {}
+        self.peers = PeerBook(settings.peers_known_max, settings.peer_silent_ms)
         self.last_heard: dict[NodeId, int] = {}
-        self.leader_since_ms = 0
         self.unhealthy_since_ms: int | None = now_ms
         self.hello_due_ms = now_ms
         self.joining: NodeId | None = None
@@ -372,38 +149,13 @@ class Machine:
         """Frames that no correct peer sends: the driver closes the connection they came on."""
         self.ready = Ready()
         self._last_leader: NodeId | None = None
-        self._inflight: dict[tuple[str, str], int] = {}
-        self.ports: tuple[PortInfo, ...] = ()
-        self.probes: tuple[LinkProbe, ...] = ()
-        self._ports_sent_ms = -(10**9)
-        self._addresses_sent_ms = -(10**9)
-        self.measure: Measure | MeasureFailed | None = None
-        self._failure_committed = False  # our MeasureFailed was committed (then cluster.py may forget it)
-        self._measure_sent_ms = -(10**9)
-        self.loaded: set[int] = set()
-        """Data-plane epochs whose local worker reported ready."""
-        self._ready_sent: dict[int, int] = {}
-        self.fetched: set[int] = set()
-        """Data-plane epochs whose stage files the driver reported on disk."""
-        self._fetched_sent: dict[int, int] = {}
-        self.crashed: set[int] = set()
-        """Data-plane epochs whose local worker died or hung."""
-        self.faults: dict[int, WorkerFault] = {}
-        """Why a crashed epoch's worker failed, when it said (bounded like ``crashed``)."""
-        self._failed_sent: dict[int, int] = {}
-        self._placement_checked_at: tuple[int, int] = (-1, -1)
+        self.facts = LocalFacts(addresses, caps)
+        """What this Mac knows about itself, to be published (core/publishing.py)."""
+        self.publisher = Publisher(node_id, settings.hello_ms)
+        self.duties = self.leader_class(settings)
+        """The leader's proposals (core/leader.py), kept while this node leads."""
         self.router = Router(node_id)
-        self._ring_checked_at: tuple[int, int] = (-1, -1)
-        """(term, applied index) at which the leader last compared the ring (solving is
-        the costliest pure step, so it runs once per state change, not per input)."""
-        self._ring_settled: tuple[object, ...] | None = None
-        """The inputs of physical.negotiate (members, ring, hops) when it last found nothing
-        to propose: a pure function, so the same inputs need no new solve (most applied
-        entries change neither)."""
-        self._ring_plan: tuple[tuple[tuple[object, ...], ...], physical.RingPlan | None] | None = None
-        """(physical.plan_inputs, physical.plan_ring) of the last solve, kept while its inputs stay."""
-        self._ring_solving: tuple[tuple[tuple[object, ...], ...], Generator[None, None, physical.RingPlan | None]] | None = None
-        """A solve spread over several steps (physical.plan_ring_steps): its inputs, its rest."""
+        self._inputs = self._input_table()
 
     # ------------------------------------------------------------------------------
     # Construction
@@ -503,58 +255,93 @@ class Machine:
         self.now_ms = now_ms
         if self.mode is Mode.LEFT:
             return self._take_ready()
-        if isinstance(event, FrameReceived):
-            self._on_frame(event, now_ms)
-        elif isinstance(event, MessageReceived):
-            self.receive(event.peer, event.message, now_ms)
-        elif isinstance(event, TimerFired):
-            self._on_timer(now_ms)
-        elif isinstance(event, PeerDiscovered):
-            self._on_discovered(event, now_ms)
-        elif isinstance(event, PeerVanished):
-            self.peers.pop(event.node_id, None)
-        elif isinstance(event, ProposalRequested):
-            self._propose(event.command, now_ms)
-        elif isinstance(event, ReadRequested):
-            if self.raft is None:
-                self.ready.reads.append((event.ctx, False))
-            else:
-                self.raft.read(event.ctx, now_ms)
-        elif isinstance(event, PortsObserved):
-            self.ports = event.ports
-        elif isinstance(event, AddressesChanged):
-            self.addresses = tuple(event.addresses[:validate.ADDRESSES_MAX])
-        elif isinstance(event, ProbesMeasured):
-            self.probes = event.probes
-        elif isinstance(event, ModelMeasured):
-            self.measure, self._failure_committed = event.measure, False
-        elif isinstance(event, StageFilesFetched):
-            self.fetched = {e for e in self.fetched if e >= event.epoch - 2} | {event.epoch}
-        elif isinstance(event, WorkerLoaded):
-            self.loaded = {e for e in self.loaded if e >= event.epoch - 2} | {event.epoch}
-        elif isinstance(event, GenerateRequested):
-            self.router.requested(event.req, event.params, now_ms)
-        elif isinstance(event, WorkerOutput):
-            self.router.worker_event(
-                event.epoch, event.req, event.tokens, event.text, event.done, event.finish, event.prompt_tokens, event.attempt, now_ms,
-                broken=event.broken,
-            )
-        elif isinstance(event, WorkerCrashed):
-            self.crashed = {e for e in self.crashed if e >= event.epoch - 2} | {event.epoch}
-            if event.fault is not None:
-                self.faults = {e: f for e, f in self.faults.items() if e >= event.epoch - 2} | {event.epoch: event.fault}
-        elif isinstance(event, LeaveRequested):
-            if not self.leaving:
-                self.leaving = True
-                self.leave_deadline_ms = now_ms + self.settings.leave_timeout_ms
-                if self._holds_layers():
-                    self.leave_deadline_ms += self.settings.drain_timeout_ms
-            self._drive_leave(now_ms)
+        on_input = self._inputs.get(type(event))
+        if on_input is None:
+            raise LocalProtocolError(f"not an input of the node machine: {type(event).__name__}")
+        on_input(event, now_ms)
         self._after(now_ms)
         router = self.router
         if router.origins or router.served or router.messages or router.submits or router.client:
             self._route(now_ms)  # (else nothing in flight and nothing to collect: a hot path)
         return self._take_ready()
+
+    def _input_table(self) -> dict[type, Callable[[Any, int], None]]:
+        """Each input's handler, bound (so a subclass's override is the one called)."""
+        return {
+            FrameReceived: self._on_frame,
+            MessageReceived: self._on_message,
+            TimerFired: self._on_timer,
+            PeerDiscovered: self._on_discovered,
+            PeerVanished: self._on_vanished,
+            ProposalRequested: self._on_proposal,
+            ReadRequested: self._on_read,
+            PortsObserved: self._on_ports,
+            AddressesChanged: self._on_addresses,
+            ProbesMeasured: self._on_probes,
+            ModelMeasured: self._on_measured,
+            StageFilesFetched: self._on_fetched,
+            WorkerLoaded: self._on_loaded,
+            GenerateRequested: self._on_generate,
+            WorkerOutput: self._on_worker_output,
+            WorkerCrashed: self._on_worker_crashed,
+            LeaveRequested: self._on_leave,
+        }
+
+    # ------------------------------------------------------------------------------
+    # Inputs that only record a fact or hand it on
+
+    def _on_message(self, event: MessageReceived, now_ms: int) -> None:
+        self.receive(event.peer, event.message, now_ms)
+
+    def _on_vanished(self, event: PeerVanished, now_ms: int) -> None:
+        self.peers.forget(event.node_id)
+
+    def _on_proposal(self, event: ProposalRequested, now_ms: int) -> None:
+        self._propose(event.command, now_ms)
+
+    def _on_read(self, event: ReadRequested, now_ms: int) -> None:
+        if self.raft is None:
+            self.ready.reads.append((event.ctx, False))
+        else:
+            self.raft.read(event.ctx, now_ms)
+
+    def _on_ports(self, event: PortsObserved, now_ms: int) -> None:
+        self.facts.ports = event.ports
+
+    def _on_addresses(self, event: AddressesChanged, now_ms: int) -> None:
+        self.facts.addresses = tuple(event.addresses[:validate.ADDRESSES_MAX])
+
+    def _on_probes(self, event: ProbesMeasured, now_ms: int) -> None:
+        self.facts.probes = event.probes
+
+    def _on_measured(self, event: ModelMeasured, now_ms: int) -> None:
+        self.publisher.measured(self.facts, event.measure)
+
+    def _on_fetched(self, event: StageFilesFetched, now_ms: int) -> None:
+        self.facts.worker_event("fetched", event.epoch)
+
+    def _on_loaded(self, event: WorkerLoaded, now_ms: int) -> None:
+        self.facts.worker_event("loaded", event.epoch)
+
+    def _on_worker_crashed(self, event: WorkerCrashed, now_ms: int) -> None:
+        self.facts.worker_event("crashed", event.epoch, event.fault)
+
+    def _on_generate(self, event: GenerateRequested, now_ms: int) -> None:
+        self.router.requested(event.req, event.params, now_ms)
+
+    def _on_worker_output(self, event: WorkerOutput, now_ms: int) -> None:
+        self.router.worker_event(
+            event.epoch, event.req, event.tokens, event.text, event.done, event.finish, event.prompt_tokens, event.attempt, now_ms,
+            broken=event.broken,
+        )
+
+    def _on_leave(self, event: LeaveRequested, now_ms: int) -> None:
+        if not self.leaving:
+            self.leaving = True
+            self.leave_deadline_ms = now_ms + self.settings.leave_timeout_ms
+            if self._holds_layers():
+                self.leave_deadline_ms += self.settings.drain_timeout_ms
+        self._drive_leave(now_ms)
 
     def _take_ready(self) -> Ready:
         ready, self.ready = self.ready, Ready()
@@ -629,10 +416,8 @@ class Machine:
             return
         info = self.peers.get(event.node_id)
         if info is None:
-            if len(self.peers) >= self.settings.peers_known_max:
-                return
-            self.peers[event.node_id] = _PeerInfo(event.addresses)
-            self._send_hello(event.node_id, now_ms)
+            if self.peers.learn(event.node_id, event.addresses) is not None:
+                self._send_hello(event.node_id, now_ms)
         else:
             info.addresses = event.addresses
 
@@ -640,17 +425,15 @@ class Machine:
         r = self.raft
         members = len(r.state.members) if r is not None and self.mode is Mode.MEMBER else 0
         leader = r.leader.node_id if r is not None and r.leader is not None else None
-        return Hello(self.node_id, self.inc, self.cluster, members, self._healthy(now_ms), leader, self.addresses, self.caps)
+        return Hello(self.node_id, self.inc, self.cluster, members, self._healthy(now_ms), leader, self.facts.addresses, self.facts.caps)
 
     def _send_hello(self, to: NodeId, now_ms: int) -> None:
         self.ready.messages.append((to, self._hello(now_ms)))
 
     def _on_hello(self, h: Hello, now_ms: int) -> None:
-        info = self.peers.get(h.src)
+        info = self.peers.learn(h.src, h.addresses)
         if info is None:
-            if len(self.peers) >= self.settings.peers_known_max:
-                return
-            info = self.peers[h.src] = _PeerInfo(h.addresses)
+            return
         info.hello = h
         info.hello_ms = now_ms
         info.mate = None
@@ -661,33 +444,15 @@ class Machine:
                 info.replied_ms = now_ms
                 self._send_hello(h.src, now_ms)
 
-    def _fresh_hellos(self, now_ms: int) -> list[Hello]:
-        horizon = now_ms - self.settings.peer_silent_ms
-        return [p.hello for p in self.peers.values() if p.hello is not None and p.hello_ms >= horizon]
-
-    @staticmethod
-    def _rank(members: int, cluster: ClusterId) -> tuple[int, str]:
-        # Larger clusters win; between equals the lower id wins (negate by inverting chars).
-        return (members, "".join(chr(0x10FFFF - ord(c)) for c in cluster))
-
-    def _best_foreign_cluster(self, now_ms: int) -> Hello | None:
-        best: Hello | None = None
-        for h in self._fresh_hellos(now_ms):
-            if h.cluster is None or not h.healthy or h.cluster == self.cluster or h.members == 0:
-                continue
-            if best is None or self._rank(h.members, h.cluster) > self._rank(best.members, best.cluster):  # type: ignore[arg-type]
-                best = h
-        return best
-
     def _formation_step(self, now_ms: int) -> None:
         """Decide, on the hello timer, whether to bootstrap, join, switch or go standalone."""
         if self.leaving:
             return
-        best = self._best_foreign_cluster(now_ms)
+        best = self.peers.best_foreign_cluster(self.cluster, now_ms)
         if self.mode is Mode.UNFORMED:
             if best is not None:
                 self._join(best, now_ms)
-            elif now_ms - self.started_ms >= self.settings.formation_wait_ms and self._lowest_unformed(now_ms):
+            elif now_ms - self.started_ms >= self.settings.formation_wait_ms and self.peers.lowest_unformed(self.node_id, now_ms):
                 self._bootstrap(now_ms, reason="formed")
             return
         r = self.raft
@@ -704,14 +469,14 @@ class Machine:
             self.unhealthy_since_ms is not None and now_ms - self.unhealthy_since_ms >= self.settings.standalone_after_ms
         )
         if best is not None:
-            mine = self._rank(len(r.state.members), r.cluster)
-            if self._rank(best.members, best.cluster) > mine or unhealthy_long:  # type: ignore[arg-type]
+            mine = rank(len(r.state.members), r.cluster)
+            if rank(best.members, best.cluster) > mine or unhealthy_long:  # type: ignore[arg-type]
                 self._join(best, now_ms)
                 return
         if unhealthy_long:
             # Our own cluster is alive without us (we were removed, or cut off from the
             # leader for long): come back as a fresh incarnation.
-            mates = [h for h in self._fresh_hellos(now_ms) if h.cluster == r.cluster and h.healthy and h.leader]
+            mates = [h for h in self.peers.fresh_hellos(now_ms) if h.cluster == r.cluster and h.healthy and h.leader]
             if mates:
                 self._join(mates[0], now_ms)
                 return
@@ -719,9 +484,6 @@ class Machine:
             # The user's choice of model outlives the cluster it was made in: a Mac left
             # alone (the other of two died) keeps serving it, and the merge keeps it after.
             self._bootstrap(now_ms, reason="standalone", model=r.state.model)
-
-    def _lowest_unformed(self, now_ms: int) -> bool:
-        return all(h.src > self.node_id for h in self._fresh_hellos(now_ms) if h.cluster is None)
 
     def _bootstrap(self, now_ms: int, *, reason: str, model: ModelInfo | None = None) -> None:
         """Found a new one-member cluster (a first formation, or continuing standalone with
@@ -731,15 +493,14 @@ class Machine:
         me = self.me
         base = Snapshot(0, 0, Config((), ()), empty_state(cluster))
         entries = [
-            Entry(1, 1, AddLearner(self.node_id, self.inc, self.addresses, self.caps)),
+            Entry(1, 1, AddLearner(self.node_id, self.inc, self.facts.addresses, self.facts.caps)),
             Entry(2, 1, Promote(self.node_id, self.inc)),
         ]
         if model is not None:
             entries.append(Entry(3, 1, SetModel(model)))
         log = RaftLog(base, entries)
         self.raft = self._new_raft(cluster, HardState(1, me), log, now_ms)
-        self.raft.commit = len(entries)
-        self.raft._apply_committed()
+        self.raft.commit_founding(len(entries))
         self.mode = Mode.MEMBER
         self.joining = None
         self.unhealthy_since_ms = now_ms
@@ -765,7 +526,7 @@ class Machine:
     def _send_join(self, to: NodeId) -> None:
         r = self.raft
         assert r is not None
-        self.ready.messages.append((to, JoinRequest(self.node_id, self.inc, r.cluster, self.addresses, self.caps)))
+        self.ready.messages.append((to, JoinRequest(self.node_id, self.inc, r.cluster, self.facts.addresses, self.facts.caps)))
 
     def _become_unformed(self, now_ms: int, reason: str) -> None:
         self._reset_identity()
@@ -781,7 +542,7 @@ class Machine:
         # empty log for the old one (the node-id reuse hazard of etcd-io/raft).
         self.inc = self._new_inc()
         self.last_heard = {}
-        self.fetched = set()  # epochs of the old log's placements, not the new one's
+        self.facts.fetched = set()  # epochs of the old log's placements, not the new one's
         # Raft messages of the abandoned log must not go out after the switch is persisted.
         self.ready.messages = [(dst, m) for dst, m in self.ready.messages if not hasattr(m, "hdr")]
 
@@ -791,7 +552,7 @@ class Machine:
         self.ready.snapshot = base
         self.ready.log_truncate_from = base.index + 1
         self.ready.log_entries = tuple(r.log.entries)
-        r.out.log_dirty_from = None
+        r.log_persisted()
         self._persist_hard()
 
     def _persist_hard(self) -> None:
@@ -850,133 +611,29 @@ class Machine:
             self._become_unformed(now_ms, "removed from the cluster")
 
     def _propose_once(self, command: Command, now_ms: int) -> bool:
-        """Propose unless the same command is already in flight (not yet applied)."""
-        r = self.raft
-        assert r is not None
-        key = (type(command).__name__, getattr(command, "node_id", ""))
-        index = self._inflight.get(key)
-        if index is not None and index > r.applied and r.log.last_index >= index:
-            return True
-        index = r.propose(command, now_ms)
-        if index is None:
-            return False
-        self._inflight[key] = index
-        return True
+        assert self.raft is not None
+        return self.duties.propose_once(self.raft, command, now_ms)
 
-    def _leader_duties(self, now_ms: int) -> None:
-        r = self.raft
-        assert r is not None and r.role is Role.LEADER
-        self._negotiate_ring(now_ms)
-        self._negotiate_placement(now_ms)
-        if not r.config_change_allowed() or r.transfer_to is not None:
-            self._detect(now_ms, config_ok=False)
-            return
-        # Promote one caught-up learner at a time.
-        for peer in r.config.learners:
-            pr = r.progress.get(peer)
-            if pr is not None and pr.match >= r.commit - self.settings.promote_lag_entries and pr.match > 0:
-                if self._propose_once(Promote(peer.node_id, peer.inc), now_ms):
-                    return
-        self._detect(now_ms, config_ok=True)
-
-    def _detect(self, now_ms: int, *, config_ok: bool) -> None:
-        r = self.raft
-        assert r is not None
-        s = self.settings
-        for member in r.state.members:
-            if member.node_id == self.node_id:
-                if not member.up and member.inc == self.inc:
-                    self._propose_once(MarkUp(member.node_id, member.inc), now_ms)  # marked down by a predecessor
-                continue
-            heard = self.last_heard.get(member.node_id, self.leader_since_ms)
-            silent_ms = now_ms - max(heard, self.leader_since_ms)
-            if member.up and silent_ms >= s.down_after_ms:
-                self._propose_once(MarkDown(member.node_id, member.inc), now_ms)
-            elif not member.up and silent_ms < s.down_after_ms:
-                self._propose_once(MarkUp(member.node_id, member.inc), now_ms)
-            elif config_ok and not member.up and silent_ms >= s.remove_after_ms and self._removal_keeps_quorum(member.node_id):
-                if self._propose_once(RemoveMember(member.node_id, member.inc, "unreachable"), now_ms):
-                    config_ok = False
-
-    def _negotiate_ring(self, now_ms: int) -> None:
-        """Propose a new ring epoch when members, cables or addresses changed (leader only)."""
-        r = self.raft
-        assert r is not None
-        if r.transfer_to is not None or ((r.term, r.applied) == self._ring_checked_at and self._ring_solving is None):
-            return
-        index = self._inflight.get(("SetRing", ""))
-        if index is not None and index > r.applied and r.log.last_index >= index:
-            return  # one ring change at a time: the next is computed from its result
-        self._ring_checked_at = (r.term, r.applied)
-        inputs = (r.state.members, r.state.ring, r.state.ring_hops)
-        if inputs == self._ring_settled:
-            self._ring_solving = None
-            return
-        used = physical.plan_inputs(r.state)
-        if self._ring_plan is None or self._ring_plan[0] != used:
-            if self._ring_solving is None or self._ring_solving[0] != used:
-                self._ring_solving = (used, physical.plan_ring_steps(r.state))  # the costly part: the solve
-            try:
-                next(self._ring_solving[1])
-                return  # one slice per step: the next step goes on, heartbeats keep flowing
-            except StopIteration as done:
-                self._ring_plan, self._ring_solving = (used, done.value), None
-        proposal = physical.negotiate(r.state, self._ring_plan[1])
-        if proposal is None:
-            self._ring_settled = inputs
-        elif not self._propose_once(proposal, now_ms):
-            self._ring_checked_at = (-1, -1)  # not accepted now (e.g. log full): retry
-
-    def _negotiate_placement(self, now_ms: int) -> None:
-        """Propose the next data-plane step (a new placement, or activating the pending
-        one) when the committed state calls for it (leader only; core/dataplane.py)."""
-        r = self.raft
-        assert r is not None
-        if r.transfer_to is not None or (r.term, r.applied) == self._placement_checked_at or self._ring_solving is not None:
-            return  # (a ring being solved may change the placement: wait for it as for a SetRing)
-        for key in (("SetPlacement", ""), ("ActivatePlacement", ""), ("SetRing", "")):
-            index = self._inflight.get(key)
-            if index is not None and index > r.applied and r.log.last_index >= index:
-                return  # one data-plane step at a time, and after the ring settles
-        self._placement_checked_at = (r.term, r.applied)
-        proposal = dataplane.negotiate(r.state)
-        if proposal is not None and not self._propose_once(proposal, now_ms):
-            self._placement_checked_at = (-1, -1)
-
-    def _publish_measure(self, now_ms: int) -> None:
-        """Bring this member's committed measurement and worker readiness up to date."""
+    def _publish(self, now_ms: int) -> None:
+        """Bring this member's committed record up to date with its local facts (any role;
+        core/publishing.py). Peers dial the committed addresses, and LAN hops of the MLX
+        hostfile use them: a Mac that moved must not be left behind at the old address."""
         r = self.raft
         if r is None or self.mode is not Mode.MEMBER or self.leaving or r.leader is None:
             return
-        if self.measure is None and not self.fetched and not self.loaded and not self.crashed:
-            return  # nothing measured or reported by workers: nothing to publish (a hot path)
         mine = find_member(r.state, self.node_id)
         if mine is None or mine.inc != self.inc:
             return
-        if isinstance(self.measure, MeasureFailed):
-            if mine.measure == self.measure:
-                self._failure_committed = True
-            elif self._failure_committed:  # cluster.py forgot it: the model was set again
-                self.measure, self._failure_committed = None, False
-        if self.measure is not None and mine.measure != self.measure and now_ms - self._measure_sent_ms >= self.settings.hello_ms:
-            self._measure_sent_ms = now_ms
-            self._propose(PublishMeasure(self.node_id, self.inc, self.measure), now_ms)
-        state = r.state
-        epoch = state.placement_epoch
-        staged = any(s.node_id == self.node_id for s in state.placement)
-        if epoch in self.fetched and staged and self.node_id not in state.fetched:
-            if now_ms - self._fetched_sent.get(epoch, -(10**9)) >= self.settings.hello_ms:
-                self._fetched_sent = {epoch: now_ms}
-                self._propose(StageFetched(self.node_id, self.inc, epoch), now_ms)
-        if epoch in self.loaded and staged and self.node_id not in state.ready:
-            if now_ms - self._ready_sent.get(epoch, -(10**9)) >= self.settings.hello_ms:
-                self._ready_sent = {epoch: now_ms}
-                self._propose(WorkerReady(self.node_id, self.inc, epoch), now_ms)
-        for broken in sorted(self.crashed):
-            if broken in (state.active_epoch, state.placement_epoch) and state.failed_epoch < broken:
-                if now_ms - self._failed_sent.get(broken, -(10**9)) >= self.settings.hello_ms:
-                    self._failed_sent = {broken: now_ms}
-                    self._propose(WorkerFailed(self.node_id, self.inc, broken, self.faults.get(broken)), now_ms)
+        for command in self.publisher.membership(self.facts, mine, self.inc, now_ms):
+            self._propose(command, now_ms)
+        facts = self.facts
+        if facts.measure is None and not facts.fetched and not facts.loaded and not facts.crashed:
+            return  # nothing measured or reported by workers: nothing more to publish (a hot path)
+        mine = find_member(r.state, self.node_id)  # (a one-member cluster commits at once)
+        if mine is None or mine.inc != self.inc:
+            return
+        for command in self.publisher.data_plane(facts, mine, r.state, self.inc, now_ms):
+            self._propose(command, now_ms)
 
     def _route(self, now_ms: int) -> None:
         """Move inference requests along (core/serving.py) and collect their effects."""
@@ -1000,40 +657,6 @@ class Machine:
                     self.router.on_tokens(m, now_ms)
             self.router.tick(state, head, epoch, now_ms)
 
-    def _publish_ports(self, now_ms: int) -> None:
-        """Bring this member's committed addresses, ports and probe results up to date (any
-        role). Peers dial the committed addresses, and LAN hops of the MLX hostfile use them:
-        a Mac that moved to another address must not be left behind at the old one."""
-        r = self.raft
-        if r is None or self.mode is not Mode.MEMBER or self.leaving or r.leader is None:
-            return
-        mine = find_member(r.state, self.node_id)
-        if mine is None or mine.inc != self.inc:
-            return
-        # Capabilities too: an agent restarted with another --data-port keeps its
-        # incarnation, and its ranks must be rendered at the new port.
-        changed = (self.addresses and mine.addresses != self.addresses) or mine.caps != self.caps
-        if changed and now_ms - self._addresses_sent_ms >= self.settings.hello_ms:
-            self._addresses_sent_ms = now_ms
-            self._propose(UpdateMember(self.node_id, self.inc, self.addresses or mine.addresses, self.caps), now_ms)
-        if mine.ports == self.ports and mine.probes == self.probes:
-            return
-        if now_ms - self._ports_sent_ms < self.settings.hello_ms:
-            return  # at most one update in flight per hello period
-        self._ports_sent_ms = now_ms
-        self._propose(PublishPorts(self.node_id, self.inc, self.ports, self.probes), now_ms)
-
-    def _removal_keeps_quorum(self, node_id: NodeId) -> bool:
-        r = self.raft
-        assert r is not None
-        voters = [p for p in r.config.voters if p.node_id != node_id]
-        if len(voters) == len(r.config.voters):
-            return True  # a learner: always safe to remove
-        up = {m.node_id for m in r.state.members if m.up}
-        up.add(self.node_id)
-        live = sum(1 for p in voters if p.node_id in up)
-        return len(voters) >= 1 and live >= len(voters) // 2 + 1
-
     # ------------------------------------------------------------------------------
     # Proposals and leaving
 
@@ -1044,54 +667,31 @@ class Machine:
         if r.role is Role.LEADER:
             r.propose(command, now_ms)
         elif r.leader is not None:
-            self.ready.messages.append((r.leader.node_id, ForwardProposal(r._hdr(r.leader), command)))
+            self.ready.messages.append((r.leader.node_id, ForwardProposal(r.header_to(r.leader), command)))
 
     def _drive_leave(self, now_ms: int) -> None:
         r = self.raft
         if r is None or self.mode is not Mode.MEMBER:
             self._finish_leave()
             return
-        if now_ms >= self.leave_deadline_ms:
-            # No leader acknowledged in time: stop anyway; the cluster will mark us down
-            # and remove us after remove_after_ms, exactly as for a crash.
+        step = leave.next_step(
+            r, self.me, joining=self.joining is not None, holds_layers=self._holds_layers(),
+            draining=self.node_id in r.state.draining, now_ms=now_ms, deadline_ms=self.leave_deadline_ms,
+            drain_until_ms=self.leave_deadline_ms - self.settings.leave_timeout_ms,
+        )
+        if step is LeaveStep.TIMED_OUT:
             self.ready.events.append(ClusterEvent("leave not confirmed", "stopping anyway"))
             self._finish_leave()
-            return
-        still_member = any(p.node_id == self.node_id for p in (*r.config.voters, *r.config.learners))
-        if not still_member and self.joining is not None:
-            # Still joining: the leader may already have added us without our knowing yet.
-            # Leaving silently would leave a member behind that is down until removed minutes
-            # later; wait for the log (or the deadline) and then leave properly.
-            return
-        if not still_member:
-            # Our removal is in our log, but a config entry takes effect when appended, so it
-            # may not be committed yet: stopping now could leave a departed voter in the
-            # configuration. The leader's RemovalNotice (sent when the removal commits) or
-            # applying the removal ourselves ends the leave; the deadline bounds the wait.
-            # (A leader outside its own configuration was the last voter: nobody confirms.)
-            if r.role is not Role.LEADER and any(m.node_id == self.node_id and m.inc == self.inc for m in r.state.members):
-                return
-            self._finish_leave(confirmed=r.role is not Role.LEADER)
-            return
-        if len(r.config.voters) <= 1 and not r.config.learners:
-            self._finish_leave()
-            return
-        if self._holds_layers() and now_ms < self.leave_deadline_ms - self.settings.leave_timeout_ms:
-            # Drain first: the cluster plans the model without us and switches to that
-            # epoch while we still serve; only then do we leave (make before break).
-            if self.node_id not in r.state.draining:
-                self._propose(Drain(self.node_id, self.inc), now_ms)
-            return
-        if r.role is Role.LEADER:
-            others = [p for p in r.config.voters if p != self.me]
-            if others and r.transfer_to is None:
-                best = max(others, key=lambda p: (r.progress[p].match if p in r.progress else -1, p.node_id))
-                r.transfer_leadership(best, now_ms)
-            elif not others:
-                r.propose(RemoveMember(self.node_id, self.inc, "left"), now_ms)
-        elif r.leader is not None:
-            cmd = RemoveMember(self.node_id, self.inc, "left")
-            self.ready.messages.append((r.leader.node_id, ForwardProposal(r._hdr(r.leader), cmd)))
+        elif step in (LeaveStep.FINISH, LeaveStep.FINISH_CONFIRMED):
+            self._finish_leave(confirmed=step is LeaveStep.FINISH_CONFIRMED)
+        elif step is LeaveStep.DRAIN:
+            self._propose(Drain(self.node_id, self.inc), now_ms)
+        elif step is LeaveStep.TRANSFER:
+            r.transfer_leadership(leave.transfer_target(r, self.me), now_ms)
+        elif step is LeaveStep.REMOVE_SELF:
+            r.propose(RemoveMember(self.node_id, self.inc, "left"), now_ms)
+        elif step is LeaveStep.FORWARD_REMOVE:
+            self._propose(RemoveMember(self.node_id, self.inc, "left"), now_ms)
 
     def _holds_layers(self) -> bool:
         """Whether the serving or the pending placement gives this node model layers."""
@@ -1109,7 +709,7 @@ class Machine:
     # ------------------------------------------------------------------------------
     # Timers and bookkeeping after every input
 
-    def _on_timer(self, now_ms: int) -> None:
+    def _on_timer(self, event: TimerFired, now_ms: int) -> None:
         if self.raft is not None:
             self.raft.tick(now_ms)
         if now_ms >= self.hello_due_ms:
@@ -1136,12 +736,9 @@ class Machine:
             return
         if r.role is Role.LEADER:
             if self._last_leader != self.node_id:
-                self.leader_since_ms = now_ms
-                self._inflight = {}
-                self._ring_checked_at = (-1, -1)
-            self._leader_duties(now_ms)
-        self._publish_ports(now_ms)
-        self._publish_measure(now_ms)
+                self.duties.became_leader(now_ms)
+            self.duties.run(r, self.me, self.last_heard, now_ms)
+        self._publish(now_ms)
         if self._healthy(now_ms):
             self.unhealthy_since_ms = None
         elif self.unhealthy_since_ms is None:

@@ -176,6 +176,19 @@ class Raft:
         out, self.out = self.out, RaftOutput()
         return out
 
+    def commit_founding(self, index: int) -> None:
+        """Commit a new one-member cluster's founding entries up to ``index``: its only
+        voter holds them, and the caller persists them before anything is sent."""
+        self._commit_to(index)
+
+    def log_persisted(self) -> None:
+        """The caller wrote the whole log itself (a cluster switch): nothing to re-write."""
+        self.out.log_dirty_from = None
+
+    def header_to(self, to: Peer) -> Header:
+        """The header of a message of this node's current term to ``to``."""
+        return self._hdr(to)
+
     # ------------------------------------------------------------------------------
     # Timers
 

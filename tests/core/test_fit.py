@@ -159,7 +159,7 @@ def test_a_model_no_member_can_load_is_reported_with_their_errors_and_measured_a
     d.run(2_000)
     assert _verdicts(d) == [None, None]
     assert all(m.measure is None for m in _state(leader_of(d)).members)
-    assert all(m.measure is None for m in d.machines.values())
+    assert all(m.facts.measure is None for m in d.machines.values())
 
 
 def test_nobody_able_to_load_the_new_model_ends_the_old_placement() -> None:

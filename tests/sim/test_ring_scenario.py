@@ -6,7 +6,9 @@ import json
 
 import pytest
 
+from p2pmesh.core.leader import LeaderDuties
 from p2pmesh.core.machine import Machine
+from p2pmesh.core.raft import Raft
 from sim.cli import main as sim_main
 from sim.ring_scenario import SETTLE_BOUND_US, RingScenario, run_ring_seed
 from sim.scenario import SIM_SETTINGS
@@ -29,13 +31,16 @@ def test_rings_cli_prints_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert summary["cable_to_ring_ms"]["max"] <= 1000
 
 
-class _FrozenRing(Machine):
+class _FrozenRingDuties(LeaderDuties):
     """A planted bug: the leader proposes the first ring and never another."""
 
-    def _negotiate_ring(self, now_ms: int) -> None:
-        r = self.raft
-        if r is not None and r.state.ring_epoch == 0:
-            super()._negotiate_ring(now_ms)
+    def negotiate_ring(self, r: Raft, now_ms: int) -> None:
+        if r.state.ring_epoch == 0:
+            super().negotiate_ring(r, now_ms)
+
+
+class _FrozenRing(Machine):
+    leader_class = _FrozenRingDuties
 
 
 def test_a_leader_that_stops_negotiating_is_caught() -> None:

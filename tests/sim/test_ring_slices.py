@@ -19,7 +19,7 @@ class _CountingMachine(Machine):
 
     def handle(self, event, now_ms):  # type: ignore[no-untyped-def]
         ready: Ready = super().handle(event, now_ms)
-        if self.raft is not None and self.raft.role is Role.LEADER and self._ring_solving is not None:
+        if self.raft is not None and self.raft.role is Role.LEADER and self.duties.ring_solving is not None:
             _CountingMachine.solving_steps += 1
         return ready
 

@@ -10,9 +10,10 @@ import json
 import pytest
 
 from p2pmesh.core.ids import NodeId
+from p2pmesh.core.leader import LeaderDuties
 from p2pmesh.core.machine import Machine
 from p2pmesh.core.messages import ActivatePlacement, InferRequest
-from p2pmesh.core.raft import Role
+from p2pmesh.core.raft import Raft
 from p2pmesh.core.serving import Router, _Origin
 from sim.cli import main as sim_main
 from sim.dataplane import EOS, expected_output, tokenize
@@ -114,17 +115,19 @@ def _with_router(router: type[Router]) -> type[Machine]:
     return type(f"Machine_{router.__name__.lstrip('_')}", (Machine,), {"__init__": __init__})
 
 
-class _EagerActivation(Machine):
+class _EagerActivationDuties(LeaderDuties):
     """The leader activates a pending placement once any one stage is ready."""
 
-    def _negotiate_placement(self, now_ms: int) -> None:
-        r = self.raft
-        assert r is not None
+    def negotiate_placement(self, r: Raft, now_ms: int) -> None:
         st = r.state
-        if r.role is Role.LEADER and st.placement_epoch > st.active_epoch and st.placement and st.ready:
-            self._propose_once(ActivatePlacement(st.placement_epoch), now_ms)
+        if st.placement_epoch > st.active_epoch and st.placement and st.ready:
+            self.propose_once(r, ActivatePlacement(st.placement_epoch), now_ms)
             return
-        super()._negotiate_placement(now_ms)
+        super().negotiate_placement(r, now_ms)
+
+
+class _EagerActivation(Machine):
+    leader_class = _EagerActivationDuties
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,257 @@
+"""What goes into the node machine and what comes out of it (core/machine.py).
+
+Inputs are past-tense facts, each handled with the time it happened; a driver (the agent,
+the simulator) builds them from frames, timers, discovery, its own tasks and its workers.
+The output of every input is one ``Ready`` batch of effects, with the order in which a
+driver must carry them out (durable part first, then messages, then the rest).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from p2pmesh.core.ids import ClusterId, NodeId
+from p2pmesh.core.messages import (
+    Command,
+    Entry,
+    LinkProbe,
+    Measure,
+    MeasureFailed,
+    Message,
+    Peer,
+    PortInfo,
+    Snapshot,
+    WorkerFault,
+)
+from p2pmesh.core.serving import ClientEvent, GenerateParams, WorkerSubmit
+
+
+class Mode(enum.Enum):
+    UNFORMED = "unformed"
+    MEMBER = "member"
+    LEFT = "left"
+
+
+# --------------------------------------------------------------------------------------
+# Inputs (past-tense facts)
+
+
+@dataclass(frozen=True, slots=True)
+class FrameReceived:
+    """A frame arrived over a connection authenticated as ``peer``."""
+
+    peer: NodeId
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class MessageReceived:
+    """A message from ``peer`` that this process's own driver encoded (the simulator): no
+    frame to decode, but the same semantic checks as a frame's. The agent never makes one."""
+
+    peer: NodeId
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDiscovered:
+    node_id: NodeId
+    addresses: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerVanished:
+    node_id: NodeId
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFired:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ProposalRequested:
+    command: Command
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRequested:
+    ctx: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveRequested:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class AddressesChanged:
+    """This node's control-plane addresses ("host:port") changed: a cable came up with an
+    address, a laptop moved to another network, DHCP gave another lease."""
+
+    addresses: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PortsObserved:
+    """The driver's link watcher saw this node's ports change (cable plugged or pulled,
+    address added)."""
+
+    ports: tuple[PortInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ProbesMeasured:
+    """Fresh results of the bounded link probes to cabled peers."""
+
+    probes: tuple[LinkProbe, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMeasured:
+    """This node measured the cluster's model: its usable memory and one layer's time (or
+    why it cannot load the model at all)."""
+
+    measure: Measure | MeasureFailed
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoaded:
+    """This node's worker for data-plane ``epoch`` loaded its layers and joined its group."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class StageFilesFetched:
+    """The model files of this node's stage in data-plane ``epoch`` are on its disk."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequested:
+    """A local client asked for a generation (``req`` is unique on this node)."""
+
+    req: str
+    params: GenerateParams
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOutput:
+    """The local head worker of ``epoch`` streamed tokens (or finished) for a request."""
+
+    epoch: int
+    req: str
+    tokens: tuple[int, ...]
+    text: str
+    done: bool
+    finish: str
+    prompt_tokens: tuple[int, ...]
+    attempt: int = 0
+    broken: bool = False
+    """The worker's pipeline failed under the request (a peer lost): the epoch's fault, not the
+    request's, so it resumes on the next epoch. Only an error the worker blames on the request
+    itself (a bad prompt, too long) ends it."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCrashed:
+    """This node's worker for data-plane ``epoch`` exited or stopped answering."""
+
+    epoch: int
+    fault: WorkerFault | None = None
+    """Why, when the worker said (its ring peer unreachable, its port taken)."""
+
+
+Input = (
+    FrameReceived
+    | MessageReceived
+    | PeerDiscovered
+    | PeerVanished
+    | TimerFired
+    | ProposalRequested
+    | ReadRequested
+    | LeaveRequested
+    | PortsObserved
+    | AddressesChanged
+    | ProbesMeasured
+    | ModelMeasured
+    | WorkerLoaded
+    | StageFilesFetched
+    | GenerateRequested
+    | WorkerOutput
+    | WorkerCrashed
+)
+
+
+# --------------------------------------------------------------------------------------
+# Outputs
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHardState:
+    """Durable per-node facts besides the log: which cluster, which incarnation, Raft's
+    term and vote. Written before any message of the same Ready is sent."""
+
+    cluster: ClusterId | None
+    inc: int
+    term: int
+    vote: Peer | None
+
+
+@dataclass(frozen=True, slots=True)
+class PersistedState:
+    """What a driver hands back at boot: the last hard state, snapshot and entries."""
+
+    hard: NodeHardState
+    snapshot: Snapshot
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterEvent:
+    """Something worth one log line: kind is a short verb phrase, detail a node or term."""
+
+    kind: str
+    detail: str
+
+
+@dataclass(slots=True)
+class Ready:
+    """One batch of effects. Contract for drivers: first make the durable part durable
+    (``hard``; then ``snapshot``, which drops stored entries at or below its index; then
+    the log suffix: drop stored entries at ``log_truncate_from`` and after, append
+    ``log_entries``, which start at ``max(log_truncate_from, snapshot.index + 1)`` and are
+    contiguous), then send ``messages``, then act on ``applied``, ``reads``, ``events``
+    and ``left``. Readies are handled strictly in order."""
+
+    hard: NodeHardState | None = None
+    snapshot: Snapshot | None = None
+    log_truncate_from: int | None = None
+    log_entries: tuple[Entry, ...] = ()
+    messages: list[tuple[NodeId, Message]] = field(default_factory=list)
+    applied: list[Entry] = field(default_factory=list)
+    reads: list[tuple[int, bool]] = field(default_factory=list)
+    events: list[ClusterEvent] = field(default_factory=list)
+    left: bool = False
+    submits: list[WorkerSubmit] = field(default_factory=list)
+    """Requests for the local head worker (after the messages)."""
+    client: list[ClientEvent] = field(default_factory=list)
+    """Tokens and ends of requests local clients asked for."""
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    node_id: NodeId
+    inc: int
+    mode: Mode
+    cluster: ClusterId | None
+    role: str
+    term: int
+    leader: NodeId | None
+    commit_index: int
+    applied_index: int
+    healthy: bool
+
+
