@@ -214,6 +214,8 @@ class WorkerOutput:
     """The worker's pipeline failed under the request (a peer lost): the epoch's fault, not the
     request's, so it resumes on the next epoch. Only an error the worker blames on the request
     itself (a bad prompt, too long) ends it."""
+    code: str = ""
+    """With finish "error": the core/protocol.ErrorCode the request's client gets."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -537,7 +539,7 @@ class Machine:
         elif isinstance(event, WorkerOutput):
             self.router.worker_event(
                 event.epoch, event.req, event.tokens, event.text, event.done, event.finish, event.prompt_tokens, event.attempt, now_ms,
-                broken=event.broken,
+                broken=event.broken, code=event.code,
             )
         elif isinstance(event, WorkerCrashed):
             self.crashed = {e for e in self.crashed if e >= event.epoch - 2} | {event.epoch}
