@@ -46,6 +46,8 @@ from p2pmesh.core.machine import (
     TimerFired,
 )
 from p2pmesh.core.messages import Capabilities, PortInfo, SetModel
+from p2pmesh.core import protocol
+from p2pmesh.core.protocol import ErrorCode, RequestInvalid, error_answer
 from p2pmesh.core.serving import ClientEvent, GenerateParams
 from p2pmesh.workers import Supervisor
 from p2pmesh.core.ring_view import ring_json
@@ -62,10 +64,8 @@ log = logging.getLogger("p2pmesh.agent")
 
 INBOX_LEN_MAX = 4096
 DEFAULT_PORT = 7741
-DEFAULT_CONTEXT_TOKENS = 4096
+DEFAULT_CONTEXT_TOKENS = protocol.CONTEXT_TOKENS_DEFAULT
 CLIENT_EVENTS_MAX = 8192
-PROMPT_CHARS_MAX = 1 << 20
-MAX_TOKENS_MAX = 1 << 16
 READ_TIMEOUT_S = 5.0
 """A linearizable read that no leader confirmed in this time fails (the client retries)."""
 READS_PENDING_MAX = 256
@@ -119,6 +119,9 @@ def _capabilities(data_port: int) -> Capabilities:
     except (ValueError, OSError, AttributeError):
         memory = 0
     return Capabilities(int(memory), platform.processor() or platform.machine(), data_port)
+
+
+_CHANGED_CLUSTERS = error_answer(ErrorCode.RETRY, "this agent changed clusters during the read; retry")
 
 
 @dataclass(slots=True)
@@ -343,11 +346,11 @@ class Agent:
         m = self.machine
         r = m.raft if m is not None else None
         if r is None or self._acted is None:
-            return {"ok": False, "error": "this agent is not in a cluster yet"}
+            return error_answer(ErrorCode.NO_CLUSTER, "this agent is not in a cluster yet")
         if not linearizable:
             return {"ok": True, **self._membership()}
         if len(self.reads) >= READS_PENDING_MAX:
-            return {"ok": False, "error": f"{READS_PENDING_MAX} reads are already waiting here; retry later"}
+            return error_answer(ErrorCode.BUSY, f"{READS_PENDING_MAX} reads are already waiting here; retry later")
         self._read_ctx += 1
         ctx = self._read_ctx
         pending = self.reads[ctx] = _PendingRead(r.cluster, trio.Event())
@@ -357,7 +360,7 @@ class Agent:
                 await pending.done.wait()
         finally:
             self.reads.pop(ctx, None)
-        return pending.answer or {"ok": False, "error": f"no leader confirmed the read within {READ_TIMEOUT_S:g} s; retry"}
+        return pending.answer or error_answer(ErrorCode.NO_QUORUM, f"no leader confirmed the read within {READ_TIMEOUT_S:g} s; retry")
 
     def _answer_reads(self, results: list[tuple[int, bool]]) -> None:
         # Called after the Ready's durable part is saved, with the machine as that Ready
@@ -368,17 +371,17 @@ class Agent:
             if pending is None or pending.done.is_set():
                 continue
             if not ok:
-                pending.answer = {"ok": False, "error": "the cluster could not confirm its leader for the read (an election "
-                                  "or a partition); retry"}
+                pending.answer = error_answer(ErrorCode.NO_QUORUM, "the cluster could not confirm its leader for the read "
+                                              "(an election or a partition); retry")
             elif r is None or r.cluster != pending.cluster:
-                pending.answer = {"ok": False, "error": "this agent changed clusters during the read; retry"}
+                pending.answer = dict(_CHANGED_CLUSTERS)
             else:
                 pending.answer = {"ok": True, **self._membership()}
             pending.done.set()
         # The old cluster's Raft held the reads still waiting: they end with it.
         for pending in self.reads.values():
             if not pending.done.is_set() and (r is None or r.cluster != pending.cluster):
-                pending.answer = {"ok": False, "error": "this agent changed clusters during the read; retry"}
+                pending.answer = dict(_CHANGED_CLUSTERS)
                 pending.done.set()
 
     def _membership(self) -> dict[str, Any]:
@@ -410,10 +413,10 @@ class Agent:
         m = self.machine
         r = m.raft if m is not None else None
         if r is None or self._acted is None:
-            return {"ok": False, "error": "this agent is not in a cluster yet"}
+            return error_answer(ErrorCode.NO_CLUSTER, "this agent is not in a cluster yet")
         if self._acted[:2] != (r.cluster, m.inc):  # type: ignore[union-attr]
             # A merge or a rejoin started a new log whose first Ready is still being saved.
-            return {"ok": False, "error": "this agent is switching to a new log; retry"}
+            return error_answer(ErrorCode.RETRY, "this agent is switching to a new log; retry")
         commit = self._acted[2]
         lo = max(after + 1, r.log.first_index)
         count = max(0, min(count_max, LOG_ENTRIES_MAX, commit - lo + 1))
@@ -438,17 +441,18 @@ class Agent:
         if name is None:
             await self.inbox_send.send(ProposalRequested(SetModel(None)))
             return {"ok": True, "model": None}
-        if not isinstance(name, str) or not isinstance(context, int) or isinstance(context, bool) or not 1 <= context <= 1 << 22:
-            return {"ok": False, "error": "model needs a name (path or Hugging Face id) and 1 <= context_tokens <= 4194304"}
+        if not isinstance(name, str) or not protocol.is_int(context) or not 1 <= context <= protocol.CONTEXT_TOKENS_MAX:
+            return error_answer(ErrorCode.BAD_REQUEST, "model needs a name (path or Hugging Face id) and "
+                                f"1 <= context_tokens <= {protocol.CONTEXT_TOKENS_MAX}")
         local = models.located(name, self.config.model_root)
         try:
             path = await trio.to_thread.run_sync(models.resolve, local)
             info = await trio.to_thread.run_sync(models.describe, name, path, context)
         except models.ModelError as exc:
-            return {"ok": False, "error": str(exc)}
+            return error_answer(ErrorCode.MODEL_INVALID, str(exc))
         problem = validate.model_problem(info)
         if problem is not None:
-            return {"ok": False, "error": problem}
+            return error_answer(ErrorCode.MODEL_INVALID, problem)
         await self.inbox_send.send(ProposalRequested(SetModel(info)))
         return {"ok": True, "model": {"name": info.name, "layers": info.layers, "layer_bytes": info.layer_bytes,
                                       "context_tokens": info.context_tokens}}
@@ -457,8 +461,8 @@ class Agent:
         """Control op `generate`: stream a generation's tokens (this agent is its origin)."""
         try:
             params = _generate_params(request)
-        except ValueError as exc:
-            yield {"ok": False, "final": True, "error": str(exc)}
+        except RequestInvalid as exc:
+            yield error_answer(ErrorCode.BAD_REQUEST, str(exc), final=True, param=exc.param)
             return
         self._requests += 1
         req = f"{self.identity.node_id[:8]}-{os.getpid()}-{self._requests}"
@@ -471,11 +475,11 @@ class Agent:
                 if event.done:
                     out.update(final=True, finish=event.finish)
                     if event.finish == "error":
-                        out.update(ok=False, error=event.text)
+                        out.update(ok=False, error=event.text, code=event.code or ErrorCode.AGENT_ERROR)
                 yield out
                 if event.done:
                     return
-            yield {"ok": False, "final": True, "error": "the client fell too far behind the stream"}
+            yield error_answer(ErrorCode.CLIENT_TOO_SLOW, "the client fell too far behind the stream", final=True)
         finally:
             self.clients.pop(req, None)
 
@@ -518,24 +522,27 @@ class Agent:
 
 
 def _generate_params(r: dict[str, Any]) -> GenerateParams:
-    """Validate a generate request (the client's fault when it is wrong)."""
+    """Validate a generate request against core/protocol.py's limits, once, at the edge (the
+    worker re-checks the same constants). RequestInvalid names the field at fault."""
+    P = protocol
     prompt, tokens = r.get("prompt"), r.get("prompt_tokens")
     if prompt is None and not tokens:
-        raise ValueError("generate needs a prompt (text) or prompt_tokens")
-    if prompt is not None and (not isinstance(prompt, str) or len(prompt) > PROMPT_CHARS_MAX):
-        raise ValueError(f"prompt must be text of at most {PROMPT_CHARS_MAX} characters")
-    if tokens is not None and (not isinstance(tokens, list) or len(tokens) > PROMPT_CHARS_MAX
-                               or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in tokens)):
-        raise ValueError("prompt_tokens must be a list of token ids")
-    max_tokens, temperature, top_p, seed = r.get("max_tokens", 256), r.get("temperature", 0.0), r.get("top_p", 1.0), r.get("seed", 0)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_TOKENS_MAX:
-        raise ValueError(f"max_tokens must be an integer from 1 to {MAX_TOKENS_MAX}")
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 10:
-        raise ValueError("temperature must be a number from 0 (greedy) to 10")
-    if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
-        raise ValueError("top_p must be a number in (0, 1]")
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 31:
-        raise ValueError("seed must be an integer from 0 to 2**31-1")
+        raise RequestInvalid("generate needs a prompt (text) or prompt_tokens", "prompt")
+    if prompt is not None and (not isinstance(prompt, str) or len(prompt) > P.PROMPT_CHARS_MAX):
+        raise RequestInvalid(f"prompt must be text of at most {P.PROMPT_CHARS_MAX} characters", "prompt")
+    if tokens is not None and (not isinstance(tokens, list) or len(tokens) > P.PROMPT_TOKENS_MAX
+                               or not all(P.is_int(t) and 0 <= t < P.TOKEN_ID_LIMIT for t in tokens)):
+        raise RequestInvalid(f"prompt_tokens must be a list of at most {P.PROMPT_TOKENS_MAX} token ids", "prompt_tokens")
+    max_tokens, temperature = r.get("max_tokens", P.GENERATE_TOKENS_DEFAULT), r.get("temperature", 0.0)
+    top_p, seed = r.get("top_p", 1.0), r.get("seed", 0)
+    if not P.is_int(max_tokens) or not 1 <= max_tokens <= P.GENERATE_TOKENS_MAX:
+        raise RequestInvalid(f"max_tokens must be an integer from 1 to {P.GENERATE_TOKENS_MAX}", "max_tokens")
+    if not P.is_number(temperature) or not 0 <= temperature <= P.TEMPERATURE_MAX:
+        raise RequestInvalid(f"temperature must be a number from 0 (greedy) to {P.TEMPERATURE_MAX:g}", "temperature")
+    if not P.is_number(top_p) or not 0 < top_p <= 1:
+        raise RequestInvalid("top_p must be a number in (0, 1]", "top_p")
+    if not P.is_int(seed) or not 0 <= seed < P.SEED_LIMIT:
+        raise RequestInvalid(f"seed must be an integer from 0 to {P.SEED_LIMIT - 1}", "seed")
     return GenerateParams(prompt, tuple(tokens or ()), max_tokens, float(temperature), float(top_p), seed)
 
 

@@ -34,8 +34,8 @@ from typing import Any, Protocol
 import trio
 
 from p2pmesh import chat_template
+from p2pmesh.core import protocol
 from p2pmesh.core.errors import MeshError
-from p2pmesh.worker.protocol import MAX_PROMPT_TOKENS, MAX_TOKENS_CAP  # no MLX in there
 
 log = logging.getLogger("p2pmesh.http")
 
@@ -51,13 +51,13 @@ TOKEN_CHARS_MAX = 4096
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions."""
 DEFAULT_CHAT_MAX_TOKENS = 1024
-SEED_LIMIT = 1 << 31
-"""The agent accepts seeds in [0, 2**31)."""
-TEMPERATURE_MAX = 10.0
+SEED_LIMIT = protocol.SEED_LIMIT
+TEMPERATURE_MAX = protocol.TEMPERATURE_MAX
 STOP_SEQUENCES_MAX = 4
 STOP_CHARS_MAX = 256
 MESSAGES_MAX = 4096
-PROMPT_TOKENS_MAX = MAX_PROMPT_TOKENS
+PROMPT_TOKENS_MAX = protocol.PROMPT_TOKENS_MAX
+assert max(DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_CHAT_MAX_TOKENS) <= protocol.GENERATE_TOKENS_MAX
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -731,32 +731,24 @@ class _Run:
 
 
 def generation_error(event: dict[str, Any]) -> ApiError | None:
-    """The agent's generate events -> an HTTP error when the event is one. The texts come from
-    the agent (refused fields), the router (no epoch, overload) and the head worker (refused
-    prompts); anything unrecognised is the cluster's fault, not the client's."""
+    """The agent's generate events -> an HTTP error when the event is one, decided by the
+    event's code (core/protocol.py), never by its text. An event with no code (an older
+    agent) is a 500: the generic code's status."""
     if event.get("ok", True) and event.get("finish") != "error":
         return None
     message = str(event.get("error") or event.get("text") or "the generation failed")
-    if "finish" not in event and "fell too far behind" not in message:
-        return ApiError(400, message)  # the agent refused the request's fields
-    return classify_generation_error(message)
+    param = event.get("param")
+    return api_error(protocol.code_of(event), message, param if isinstance(param, str) else None)
 
 
-_CLIENT_FAULTS = ("the prompt is empty", "the prompt has", "prompt token", "prompt_tokens", "max_tokens must",
-                  "temperature must", "top_p must", "seed must", "generate needs")
-_UNAVAILABLE = ("no serving epoch", "not placed", "no progress", "stale epoch")
-_BUSY = ("too many requests", "the head is full")
-
-
-def classify_generation_error(message: str) -> ApiError:
-    low = message.lower()
-    if any(s in low for s in _CLIENT_FAULTS):
-        return ApiError(400, message, param="prompt" if "prompt" in low else None)
-    if any(s in low for s in _UNAVAILABLE):
-        return ApiError(503, message, code="model_not_serving", headers=(("retry-after", "2"),))
-    if any(s in low for s in _BUSY):
-        return ApiError(429, message, code="too_many_requests", headers=(("retry-after", "1"),))
-    return ApiError(500, f"the generation failed: {message}")
+def api_error(code: protocol.ErrorCode, message: str, param: str | None = None) -> ApiError:
+    """The HTTP error for an agent's error code: core/protocol.ERRORS has its status, the
+    OpenAI-style body code and whether to retry."""
+    spec = protocol.ERRORS[code]
+    if spec.http_status >= 500 and spec.retry_after_s is None:
+        message = f"the generation failed: {message}"
+    headers = (("retry-after", str(spec.retry_after_s)),) if spec.retry_after_s is not None else ()
+    return ApiError(spec.http_status, message, param=param or spec.param, code=spec.http_code, headers=headers)
 
 
 # ------------------------------------------------------------------------------------
@@ -815,8 +807,8 @@ def _unsupported(body: dict[str, Any]) -> None:
 def _options(body: dict[str, Any], default_max_tokens: int, chat: bool) -> Options:
     _unsupported(body)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    # The worker's own cap: refused here with a 400 naming the field, not later by the head.
-    max_tokens = _int(body, key, default_max_tokens, 1, MAX_TOKENS_CAP)
+    # The protocol's cap (the agent's and the worker's): a 400 naming the field, here.
+    max_tokens = _int(body, key, default_max_tokens, 1, protocol.GENERATE_TOKENS_MAX)
     temperature = _number(body, "temperature", 1.0, 0.0, TEMPERATURE_MAX)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_low=True)
     # OpenAI's default is sampling without a fixed seed: draw one, so two unseeded requests differ.
@@ -849,7 +841,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     if isinstance(prompt, str):
         return CompletionRequest(prompt, (), _options(body, DEFAULT_COMPLETION_MAX_TOKENS, False))
     if (isinstance(prompt, list) and 0 < len(prompt) <= PROMPT_TOKENS_MAX
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in prompt)):
+            and all(protocol.is_int(t) and 0 <= t < protocol.TOKEN_ID_LIMIT for t in prompt)):
         return CompletionRequest(None, tuple(prompt), _options(body, DEFAULT_COMPLETION_MAX_TOKENS, False))
     if prompt is None:
         raise _bad("prompt is required (a string)", "prompt")

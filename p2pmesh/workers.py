@@ -25,6 +25,7 @@ from p2pmesh.core import dataplane
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.machine import WorkerCrashed, WorkerLoaded, WorkerOutput
 from p2pmesh.core.messages import WorkerFault
+from p2pmesh.core.protocol import ErrorCode
 from p2pmesh.core.validate import FAULT_MESSAGE_MAX
 from p2pmesh.core.mlx_hostfile import (
     MlxConfigError,
@@ -251,8 +252,11 @@ class Supervisor:
             if broken:
                 log.warning("worker of epoch %d: %s (%s): the request resumes on the next epoch",
                             w.epoch, event.get("message"), event.get("code"))
+            # The worker's request_invalid is about the prompt (worker/serve.py): the edge
+            # already checked every other field against the same limits (core/protocol.py).
+            code = ErrorCode.PROMPT_REFUSED if kind == "error" else ""
             await inbox.send(WorkerOutput(w.epoch, req, tokens, text, done, finish, prompt,
-                                          int(attempt) if attempt.isdigit() else 0, broken))
+                                          int(attempt) if attempt.isdigit() else 0, broken, code))
         elif kind == "error":
             w.fault = self._fault(w, event) if not w.ready else None
             if w.fault is not None:

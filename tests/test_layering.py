@@ -202,3 +202,17 @@ def test_the_cli_is_the_top_layer() -> None:
             continue
         upward = sorted(m for m in imported if m == "p2pmesh.cli" or m.startswith("p2pmesh.cli."))
         assert not upward, f"{module} imports {upward}: only the CLI itself may (it is the top layer)"
+
+
+CLIENT_SANS_IO = ("values.py", "steps.py", "plans.py", "events.py")
+"""The client's decisions (client/__init__.py): one plan per operation, the same for the trio
+and the blocking client, so these modules do no I/O; only drivers.py talks to the world."""
+
+
+@pytest.mark.parametrize("name", CLIENT_SANS_IO)
+def test_the_clients_plans_do_no_io(name: str) -> None:
+    path = ROOT / "p2pmesh" / "client" / name
+    for imported, line in _imports(path):
+        top = imported.split(".")[0]
+        assert top not in CORE_FORBIDDEN - {"os", "pathlib"}, f"client/{name}:{line} imports {imported} (plans are sans-I/O)"
+        assert imported not in ("p2pmesh.client.drivers", "p2pmesh.client.api"), f"client/{name}:{line} imports {imported}"

@@ -11,6 +11,10 @@ from __future__ import annotations
 class MeshError(Exception):
     """Base of every p2pmesh error."""
 
+    error_code: str | None = None
+    """The agent's machine-readable code (core/protocol.ErrorCode) when this error reports
+    an agent's error answer, else None."""
+
 
 class LocalProtocolError(MeshError):
     """The caller misused an API."""

@@ -332,7 +332,7 @@ class Machine:
     def _on_worker_output(self, event: WorkerOutput, now_ms: int) -> None:
         self.router.worker_event(
             event.epoch, event.req, event.tokens, event.text, event.done, event.finish, event.prompt_tokens, event.attempt, now_ms,
-            broken=event.broken,
+            broken=event.broken, code=event.code,
         )
 
     def _on_leave(self, event: LeaveRequested, now_ms: int) -> None:

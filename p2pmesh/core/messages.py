@@ -615,6 +615,9 @@ class InferTokens:
     seq: int = 0
     """How many tokens of this attempt came before these: a gap (a frame the transport
     dropped) is detected, and the origin sends the request again."""
+    code: str = ""
+    """With finish "error": why, as a core/protocol.ErrorCode ("stale_epoch": the origin
+    sends the request again; any other: the request's end, passed to its client)."""
 
 
 Message = RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice | InferRequest | InferTokens

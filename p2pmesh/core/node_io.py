@@ -153,6 +153,8 @@ class WorkerOutput:
     """The worker's pipeline failed under the request (a peer lost): the epoch's fault, not the
     request's, so it resumes on the next epoch. Only an error the worker blames on the request
     itself (a bad prompt, too long) ends it."""
+    code: str = ""
+    """With finish "error": the core/protocol.ErrorCode the request's client gets."""
 
 
 @dataclass(frozen=True, slots=True)

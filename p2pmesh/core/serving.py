@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import ClusterState, InferRequest, InferTokens, Message
+from p2pmesh.core.protocol import ErrorCode
 
 REQUESTS_MAX = 256
 STALL_MS = 120_000
@@ -40,6 +41,7 @@ BEACON_MS = 1_000
 SILENT_MS = 3 * BEACON_MS
 """Three beacon periods: one lost beacon never makes an origin ask again."""
 STALE = "stale epoch"
+"""The text of a STALE_EPOCH answer (the origin decides on the code)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,8 @@ class ClientEvent:
     done: bool
     finish: str
     """"" while streaming; stop, length or error at the end (then ``text`` says why)."""
+    code: str = ""
+    """With finish "error": the core/protocol.ErrorCode the client gets."""
 
 
 @dataclass(slots=True)
@@ -129,17 +133,20 @@ class Router:
     def requested(self, req: str, params: GenerateParams, now_ms: int) -> None:
         """A local client asked for a generation."""
         if req in self.origins:
-            self.client.append(ClientEvent(req, (), "a request with this id is already running", True, "error"))
+            self.client.append(ClientEvent(req, (), "a request with this id is already running", True, "error",
+                                           ErrorCode.AGENT_ERROR))
             return
         if len(self.origins) >= REQUESTS_MAX:
-            self.client.append(ClientEvent(req, (), f"too many requests in flight (at most {REQUESTS_MAX})", True, "error"))
+            self.client.append(ClientEvent(req, (), f"too many requests in flight (at most {REQUESTS_MAX})", True, "error",
+                                           ErrorCode.BUSY))
             return
         self.origins[req] = _Origin(params, now_ms, now_ms)
 
     def on_request(self, src: NodeId, msg: InferRequest, state: ClusterState | None) -> None:
         """An origin asks this node, as head, to run a request."""
         if len(self.served) >= REQUESTS_MAX and msg.req not in self.served:
-            self.messages.append((src, InferTokens(self.me, msg.req, msg.epoch, (), "the head is full", True, "error", (), msg.attempt, 0)))
+            self.messages.append((src, InferTokens(self.me, msg.req, msg.epoch, (), "the head is full", True, "error", (), msg.attempt, 0,
+                                                     ErrorCode.BUSY)))
             return
         old = self.served.get(msg.req)
         if old is not None and old.request.attempt > msg.attempt:
@@ -161,7 +168,7 @@ class Router:
             if msg.seq != o.received:
                 o.sent_to = None  # a beacon ahead of our stream: a token frame was lost
             return
-        if msg.done and msg.finish == "error" and msg.text == STALE:
+        if msg.done and msg.finish == "error" and msg.code == ErrorCode.STALE_EPOCH:
             o.sent_to = None  # the head moved on before us: send again once we catch up
             o.stale_epoch = msg.epoch
             return
@@ -186,23 +193,27 @@ class Router:
         if not msg.done and len(o.generated) >= o.params.max_tokens:
             finish = "length"  # a resumed request asked only for the rest; stop on our count
         done = msg.done or finish == "length"
-        self.client.append(ClientEvent(msg.req, tokens, msg.text, done, finish if done else ""))
+        self.client.append(ClientEvent(msg.req, tokens, msg.text, done, finish if done else "",
+                                       (msg.code or ErrorCode.AGENT_ERROR) if finish == "error" else ""))
         if done:
             del self.origins[msg.req]
 
     def worker_event(self, epoch: int, req: str, tokens: tuple[int, ...], text: str, done: bool, finish: str,
-                     prompt_tokens: tuple[int, ...], attempt: int, now_ms: int, *, broken: bool = False) -> None:
+                     prompt_tokens: tuple[int, ...], attempt: int, now_ms: int, *, broken: bool = False,
+                     code: str = "") -> None:
         """The local head worker produced tokens (or finished) for a request. ``broken``: its
         pipeline failed under the request (a peer lost), which is never the request's end:
-        the origin hears that this epoch is over for it and resumes it on the next one."""
+        the origin hears that this epoch is over for it and resumes it on the next one.
+        ``code``: with finish "error", the ErrorCode the request's client gets."""
         s = self.served.get(req)
         if s is None or s.epoch != epoch or s.request.attempt != attempt:
             return
         if broken:
-            self.messages.append((s.origin, InferTokens(self.me, req, epoch, (), STALE, True, "error", (), attempt, s.sent)))
+            self.messages.append((s.origin, _stale(self.me, req, epoch, attempt, s.sent)))
             del self.served[req]
             return
-        reply = InferTokens(self.me, req, epoch, tokens, text, done, finish, prompt_tokens, attempt, s.sent)
+        reply = InferTokens(self.me, req, epoch, tokens, text, done, finish, prompt_tokens, attempt, s.sent,
+                            (code or ErrorCode.AGENT_ERROR) if finish == "error" else "")
         s.sent += len(tokens)
         s.told_ms = now_ms
         self.messages.append((s.origin, reply))
@@ -217,8 +228,11 @@ class Router:
         for req, o in list(self.origins.items()):
             if now_ms - o.progress_ms >= STALL_MS:
                 del self.origins[req]
-                why = "no serving epoch: the model is not placed" if head is None else "no progress: the serving epoch is stuck"
-                self.client.append(ClientEvent(req, (), why, True, "error"))
+                if head is None:
+                    event = ClientEvent(req, (), "no serving epoch: the model is not placed", True, "error", ErrorCode.NOT_SERVING)
+                else:
+                    event = ClientEvent(req, (), "no progress: the serving epoch is stuck", True, "error", ErrorCode.STALLED)
+                self.client.append(event)
                 continue
             if head is None:
                 continue
@@ -255,7 +269,7 @@ class Router:
         for req, s in list(self.served.items()):
             if s.epoch < epoch or head != self.me and s.epoch == epoch:
                 # The request's epoch is over here; its origin re-sends it to the new head.
-                self.messages.append((s.origin, InferTokens(self.me, req, s.epoch, (), STALE, True, "error", (), s.request.attempt, s.sent)))
+                self.messages.append((s.origin, _stale(self.me, req, s.epoch, s.request.attempt, s.sent)))
                 del self.served[req]
                 continue
             if s.epoch == epoch and not s.submitted:
@@ -273,3 +287,8 @@ class Router:
         out = (self.messages, self.submits, self.client)
         self.messages, self.submits, self.client = [], [], []
         return out
+
+
+def _stale(me: NodeId, req: str, epoch: int, attempt: int, sent: int) -> InferTokens:
+    """The head's answer that ``epoch`` is over for the request: its origin sends it again."""
+    return InferTokens(me, req, epoch, (), STALE, True, "error", (), attempt, sent, ErrorCode.STALE_EPOCH)

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import trio
 
+from p2pmesh.core.protocol import ErrorCode, code_of, error_answer, is_number
+
 REQUEST_BYTES_MAX = 64 * 1024
 REQUEST_TIMEOUT_S = 10.0
 MODEL_TIMEOUT_S = 6 * 3600.0
@@ -49,7 +51,12 @@ class _Agent(Protocol):
 
 
 class ControlError(Exception):
-    """The agent could not be reached or answered with an error."""
+    """The agent could not be reached or answered with an error. ``code``: the agent's
+    error code (core/protocol.ErrorCode) when it answered with one, else None."""
+
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 async def serve(path: Path, agent: _Agent, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -213,7 +220,7 @@ async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:
         request = json.loads(line)
         op = request["op"]
     except (ValueError, KeyError, TypeError):
-        return {"ok": False, "error": "bad request: send one JSON object with an 'op' key"}
+        return error_answer(ErrorCode.BAD_REQUEST, "bad request: send one JSON object with an 'op' key")
     if op == "status":
         return {"ok": True, "status": agent.status()}
     if op == "model":
@@ -221,19 +228,22 @@ async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:
     if op == "members":
         linearizable = request.get("linearizable", True)
         if not isinstance(linearizable, bool):
-            return {"ok": False, "error": "members: linearizable must be true or false"}
+            return error_answer(ErrorCode.BAD_REQUEST, "members: linearizable must be true or false", param="linearizable")
         return await agent.read_members(linearizable=linearizable)
     if op == "log":
         after, count = request.get("after", 0), request.get("count_max", 256)
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in (after, count)):
-            return {"ok": False, "error": "log: after and count_max must be non-negative integers"}
+            return error_answer(ErrorCode.BAD_REQUEST, "log: after and count_max must be non-negative integers")
         return agent.committed_log(after, count)
     if op == "leave":
+        wait = request.get("timeout_s", LEAVE_WAIT_DEFAULT_S)
+        if not is_number(wait) or not wait >= 0:
+            return error_answer(ErrorCode.BAD_REQUEST, "leave: timeout_s must be a non-negative number", param="timeout_s")
         agent.request_leave()
-        with trio.move_on_after(min(LEAVE_TIMEOUT_MAX_S, float(request.get("timeout_s", LEAVE_WAIT_DEFAULT_S)))):
+        with trio.move_on_after(min(LEAVE_TIMEOUT_MAX_S, float(wait))):
             await agent.left.wait()
         return {"ok": True, "left": agent.left.is_set(), **agent.leave_outcome()}
-    return {"ok": False, "error": f"unknown op {op!r}"}
+    return error_answer(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
 
 
 def stream(path: Path, op: str, *, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
@@ -264,7 +274,7 @@ def stream(path: Path, op: str, *, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
             except ValueError:
                 raise ControlError("the agent sent an unreadable event") from None
             if not event.get("ok", True):
-                raise ControlError(event.get("error", "the agent refused the request"))
+                raise ControlError(event.get("error", "the agent refused the request"), code_of(event))
             yield event
             if event.get("final"):
                 return
@@ -310,5 +320,5 @@ def request(path: Path, op: str, *, timeout_s: float = 15.0, **fields: Any) -> d
     except ValueError:
         raise ControlError(f"the agent at {path} sent an unreadable answer") from None
     if not answer.get("ok"):
-        raise ControlError(answer.get("error", "the agent refused the request"))
+        raise ControlError(answer.get("error", "the agent refused the request"), code_of(answer))
     return answer

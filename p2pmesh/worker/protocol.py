@@ -32,13 +32,17 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from p2pmesh.core import protocol as limits_
+
 MAX_LINE_BYTES = 4 << 20
 """A command line longer than this is refused (and skipped up to its newline)."""
-MAX_PROMPT_TOKENS = 32768
-MAX_TOKENS_CAP = 8192
+# The generation limits are the control protocol's (core/protocol.py), re-checked here with
+# the very constants the agent validated at the edge.
+MAX_PROMPT_TOKENS = limits_.PROMPT_TOKENS_MAX
+MAX_TOKENS_CAP = limits_.GENERATE_TOKENS_MAX
 MAX_ID_CHARS = 256
-SEED_LIMIT = 1 << 64
-DEFAULT_MAX_TOKENS = 256
+SEED_LIMIT = limits_.SEED_LIMIT
+DEFAULT_MAX_TOKENS = limits_.GENERATE_TOKENS_DEFAULT
 
 REQUEST_INVALID = "request_invalid"
 COMMAND_INVALID = "command_invalid"
@@ -106,8 +110,8 @@ def parse_command(line: bytes | str, limits: Limits = Limits()) -> Command:
         raise CommandError(f"generate needs an \"id\": a string of 1..{MAX_ID_CHARS} characters")
     prompt, tokens = obj.get("prompt"), obj.get("prompt_tokens")
     if tokens is not None:
-        if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
-            raise CommandError("prompt_tokens must be a list of non-negative integers", rid)
+        if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < limits_.TOKEN_ID_LIMIT for t in tokens):
+            raise CommandError(f"prompt_tokens must be a list of non-negative integers below {limits_.TOKEN_ID_LIMIT}", rid)
         if len(tokens) > limits.max_prompt_tokens:
             raise CommandError(f"prompt_tokens has {len(tokens)} tokens, more than {limits.max_prompt_tokens}", rid)
         prompt = None
@@ -117,22 +121,18 @@ def parse_command(line: bytes | str, limits: Limits = Limits()) -> Command:
     if not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_tokens_cap:
         raise CommandError(f"max_tokens must be an integer in 1..{limits.max_tokens_cap}", rid)
     temperature, top_p = obj.get("temperature", 0.0), obj.get("top_p", 1.0)
-    if not _is_number(temperature) or not (math.isfinite(temperature) and temperature >= 0):
-        raise CommandError("temperature must be a finite number >= 0", rid)
+    if not _is_number(temperature) or not (math.isfinite(temperature) and 0 <= temperature <= limits_.TEMPERATURE_MAX):
+        raise CommandError(f"temperature must be a number in [0, {limits_.TEMPERATURE_MAX:g}]", rid)
     if not _is_number(top_p) or not 0 < top_p <= 1:
         raise CommandError("top_p must be a number in (0, 1]", rid)
     seed = obj.get("seed", 0)
     if not _is_int(seed) or not 0 <= seed < SEED_LIMIT:
-        raise CommandError("seed must be an integer in [0, 2^64)", rid)
+        raise CommandError(f"seed must be an integer in [0, {SEED_LIMIT})", rid)
     return Generate(rid, prompt, tuple(tokens) if tokens is not None else None, max_tokens, float(temperature), float(top_p), seed)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+_is_int = limits_.is_int
+_is_number = limits_.is_number
 
 
 # Events. Plain dicts: the writer adds nothing but a newline.

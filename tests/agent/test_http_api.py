@@ -38,7 +38,6 @@ from p2pmesh.http_api import (
     HttpLimits,
     InsecureBind,
     StopScanner,
-    classify_generation_error,
     endpoint,
     fallback_chat_prompt,
     find_config_error,
@@ -46,6 +45,7 @@ from p2pmesh.http_api import (
     parse_address,
     serve_http,
 )
+from p2pmesh.core.protocol import ERRORS
 from tests.agent.harness import free_port, make_model
 
 TOKEN = "test-token-0123456789abcdef"
@@ -575,7 +575,8 @@ async def test_an_error_mid_stream_reaches_the_client(models: tuple[Path, Path])
         with pytest.raises(openai.InternalServerError, match="boom"):
             await trio.to_thread.run_sync(lambda: _client(url).completions.create(model="x", prompt="p"))
         # Refused by the cluster before any token: the status says whose fault it is.
-        stub.script = [{"ok": False, "final": True, "finish": "error", "text": "no serving epoch: the model is not placed"}]
+        stub.script = [{"ok": False, "final": True, "finish": "error", "text": "no serving epoch: the model is not placed",
+                        "code": "not_serving"}]
         with pytest.raises(openai.InternalServerError) as info:
             await trio.to_thread.run_sync(lambda: _client(url).completions.create(model="x", prompt="p", stream=True))
         assert info.value.status_code == 503
@@ -696,22 +697,27 @@ def test_stop_scanner_holds_back_what_may_be_a_stop_sequence() -> None:
 
 
 def test_generation_errors_map_to_whose_fault_it_is() -> None:
+    """By the event's code (core/protocol.py), never its text: an event with no code (an
+    older agent) is the generic 500, whatever its text says."""
     assert generation_error({"ok": True, "tokens": [1], "text": "x"}) is None
     assert generation_error({"ok": True, "final": True, "finish": "length", "text": ""}) is None
-    refused = generation_error({"ok": False, "final": True, "error": "max_tokens must be an integer from 1 to 65536"})
-    assert refused is not None and refused.status == 400
-    lagging = generation_error({"ok": False, "final": True, "error": "the client fell too far behind the stream"})
+    refused = generation_error({"ok": False, "final": True, "code": "bad_request", "param": "max_tokens",
+                                "error": "max_tokens must be an integer from 1 to 8192"})
+    assert refused is not None and refused.status == 400 and refused.param == "max_tokens"
+    lagging = generation_error({"ok": False, "final": True, "code": "client_too_slow",
+                                "error": "the client fell too far behind the stream"})
     assert lagging is not None and lagging.status == 500
-    cases = {
-        "the prompt has 5000 tokens; the model's context is 4096": 400,
-        "prompt token 99999 is outside the model's vocabulary of 512": 400,
-        "the prompt is empty": 400,
-        "no serving epoch: the model is not placed": 503,
-        "no progress: the serving epoch is stuck": 503,
-        "too many requests in flight (at most 256)": 429,
-        "the head is full": 429,
-        "generation failed: RuntimeError: peer lost": 500,
-    }
-    for message, status in cases.items():
-        assert classify_generation_error(message).status == status, message
+    prompt = generation_error({"ok": False, "final": True, "finish": "error", "code": "prompt_refused",
+                               "error": "the prompt is empty"})
+    assert prompt is not None and prompt.status == 400 and prompt.param == "prompt"
+    old = generation_error({"ok": False, "final": True, "finish": "error", "error": "no serving epoch: the model is not placed"})
+    assert old is not None and old.status == 500 and "no serving epoch" in old.message
+    unknown = generation_error({"ok": False, "final": True, "code": "from_a_newer_agent", "error": "something"})
+    assert unknown is not None and unknown.status == 500
+    for code, spec in ERRORS.items():
+        error = generation_error({"ok": False, "final": True, "finish": "error", "code": code.value, "error": "why"})
+        assert error is not None and error.status == spec.http_status and error.code == spec.http_code, code
+        assert ("retry-after", str(spec.retry_after_s)) in error.headers if spec.retry_after_s else not error.headers
+    assert generation_error({"ok": False, "code": "busy", "error": "x"}).status == 429  # type: ignore[union-attr]
+    assert generation_error({"ok": False, "code": "not_serving", "error": "x"}).status == 503  # type: ignore[union-attr]
     assert fallback_chat_prompt(()) == "assistant:"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import InferRequest, InferTokens
+from p2pmesh.core.protocol import ErrorCode
 from p2pmesh.core.serving import BEACON_MS, REQUESTS_MAX, SILENT_MS, STALE, STALL_MS, GenerateParams, Router
 
 A, B, C = NodeId("a" * 32), NodeId("b" * 32), NodeId("c" * 32)
@@ -71,7 +72,7 @@ def test_a_request_sent_again_after_a_stale_answer_counts_as_resumed() -> None:
     origin.tick(None, B, 3, 0)
     origin.take()
     origin.on_tokens(InferTokens(B, "r1", 3, (11,), "x", False, "", (1, 2, 3), 1, 0), 1)
-    origin.on_tokens(InferTokens(B, "r1", 3, (), STALE, True, "error", (), 1, 1), 2)
+    origin.on_tokens(InferTokens(B, "r1", 3, (), STALE, True, "error", (), 1, 1, ErrorCode.STALE_EPOCH), 2)
     origin.tick(None, B, 4, 3)
     [(dst, again)] = _requests(origin)
     assert dst == B and again.epoch == 4 and again.prompt_tokens == (1, 2, 3, 11)
@@ -94,7 +95,7 @@ def test_a_head_that_moved_on_answers_stale_and_the_origin_waits_for_its_own_vie
     head.on_request(A, InferRequest(A, "r1", 3, "p", (), 4, 0.0, 1.0, 0, 1), None)
     head.tick(None, C, 4, 0)  # epoch 4 is active here already, and B is not its head
     messages, submits, _ = head.take()
-    assert submits == [] and isinstance(messages[0][1], InferTokens) and messages[0][1].text == STALE
+    assert submits == [] and isinstance(messages[0][1], InferTokens) and messages[0][1].code == ErrorCode.STALE_EPOCH
 
     origin = Router(A)
     origin.requested("r1", PARAMS, 0)
@@ -124,12 +125,12 @@ def test_bounds_duplicate_ids_and_no_serving_epoch() -> None:
     r.requested("one-too-many", PARAMS, 0)
     r.requested("r0", PARAMS, 0)
     _, _, client = r.take()
-    assert [e.finish for e in client] == ["error", "error"]
+    assert [(e.finish, e.code) for e in client] == [("error", ErrorCode.BUSY), ("error", ErrorCode.AGENT_ERROR)]
     r.tick(None, None, 0, STALL_MS - 1)
     assert r.take()[2] == []
     r.tick(None, None, 0, STALL_MS)
     _, _, client = r.take()
-    assert len(client) == REQUESTS_MAX and all(e.finish == "error" for e in client)
+    assert len(client) == REQUESTS_MAX and all(e.finish == "error" and e.code == ErrorCode.NOT_SERVING for e in client)
 
 
 def test_without_the_prompt_tokens_a_resume_replays_and_skips_what_the_client_has() -> None:
@@ -199,7 +200,7 @@ def test_a_request_lost_on_the_way_is_asked_again_after_silence_with_the_same_at
         t += SILENT_MS
         origin.tick(None, B, 3, t)
     [event] = origin.take()[2]
-    assert event.done and event.finish == "error" and "no progress" in event.text
+    assert event.done and event.finish == "error" and "no progress" in event.text and event.code == ErrorCode.STALLED
     assert origin.asked_again == STALL_MS // SILENT_MS - 1
 
 
@@ -296,10 +297,12 @@ def test_a_request_the_worker_refuses_ends_with_its_error() -> None:
     origin, head = Router(A), Router(B)
     origin.requested("r1", PARAMS, 0)
     req = _served(origin, head, 3)
-    head.worker_event(3, "r1", (), "the prompt has 9000 tokens, more than 8192", True, "error", (), req.attempt, 1)
+    head.worker_event(3, "r1", (), "the prompt has 9000 tokens, more than 8192", True, "error", (), req.attempt, 1,
+                      code=ErrorCode.PROMPT_REFUSED)
     _deliver(head, origin, 1)
     [event] = origin.take()[2]
     assert event.done and event.finish == "error" and "more than 8192" in event.text
+    assert event.code == ErrorCode.PROMPT_REFUSED  # the client decides on the code, never the text
     assert not origin.origins and not head.served
 
 
@@ -311,4 +314,4 @@ def test_a_broken_pipeline_still_fails_after_stall_ms_without_a_new_epoch() -> N
     _deliver(head, origin, 1)
     origin.tick(None, B, 3, STALL_MS)
     [event] = origin.take()[2]
-    assert event.done and event.finish == "error" and "stuck" in event.text
+    assert event.done and event.finish == "error" and "stuck" in event.text and event.code == ErrorCode.STALLED

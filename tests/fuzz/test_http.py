@@ -25,6 +25,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from p2pmesh.agent import _generate_params
+from p2pmesh.core.protocol import ErrorCode, RequestInvalid, error_answer
 from p2pmesh.http_api import (
     CHAT_ROLES,
     ApiError,
@@ -57,8 +58,8 @@ class _Agent:
         self.requests.append(request)
         try:
             _generate_params(request)
-        except ValueError as exc:
-            yield {"ok": False, "final": True, "error": str(exc)}
+        except RequestInvalid as exc:
+            yield error_answer(ErrorCode.BAD_REQUEST, str(exc), final=True, param=exc.param)
             return
         yield {"ok": True, "id": "r1", "tokens": [5], "text": "hi"}
         yield {"ok": True, "id": "r1", "tokens": [6], "text": "!", "final": True, "finish": "length"}

@@ -20,8 +20,8 @@ def test_a_generate_command_is_parsed_with_defaults() -> None:
     cmd = protocol.parse_command(b'{"op": "generate", "id": "r1", "prompt": "hi"}')
     assert cmd == protocol.Generate("r1", "hi", None, protocol.DEFAULT_MAX_TOKENS, 0.0, 1.0, 0)
     cmd = protocol.parse_command('{"op": "generate", "id": "r2", "prompt": "ignored", "prompt_tokens": [1, 2], '
-                                 '"max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 18446744073709551615}')
-    assert cmd == protocol.Generate("r2", None, (1, 2), 3, 0.5, 0.9, 2**64 - 1)
+                                 '"max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 2147483647}')
+    assert cmd == protocol.Generate("r2", None, (1, 2), 3, 0.5, 0.9, 2**31 - 1)
     assert protocol.parse_command('{"op": "shutdown"}') == protocol.Shutdown()
 
 
@@ -36,6 +36,9 @@ def test_a_generate_command_is_parsed_with_defaults() -> None:
         ('{"op": "generate", "id": "a", "prompt": "x", "temperature": -1}', "a", "temperature"),
         ('{"op": "generate", "id": "a", "prompt": "x", "seed": -1}', "a", "seed"),
         ('{"op": "generate", "id": "a", "prompt": "x", "seed": 1.5}', "a", "seed"),
+        # The control protocol's seed limit (core/protocol.py), the same the agent checks.
+        ('{"op": "generate", "id": "a", "prompt": "x", "seed": 2147483648}', "a", "seed"),
+        ('{"op": "generate", "id": "a", "prompt": "x", "temperature": 10.5}', "a", "temperature"),
         ('{"op": "launch", "id": "a"}', "a", "unknown op"),
         ("[]", None, "not a JSON object"),
     ],

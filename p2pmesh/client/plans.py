@@ -1,0 +1,205 @@
+"""The client's operations as sans-I/O plans (client/steps.py has the steps and the
+socket-level plans): status, waiting for a working cluster, loading a model with its
+progress, the checks before a generation, a chat prompt, watch and leave. AsyncClient and
+Client run these very generators, so their behaviour is one.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from p2pmesh.client.chat import chat_prompt, check_messages
+from p2pmesh.client.events import diff
+from p2pmesh.client.steps import REQUEST_TIMEOUT_S, Blocking, Clock, Emit, Plan, Sleep, ask, ask_answer
+from p2pmesh.client.values import LoadedModel, LoadProgress, Placement, Status, formed, newest_epoch, parse_status
+from p2pmesh.core import protocol
+from p2pmesh.core.protocol import AgentError, BadRequest, ModelNotLoaded, NoQuorum, refused
+
+QUORUM_TIMEOUT_S = 30.0
+"""How long an operation that needs a working cluster waits for one. A fresh agent founds
+or joins a cluster within a second or two; a cut-off minority goes standalone after 3 s."""
+LOAD_TIMEOUT_S = 600.0
+POLL_S = 0.2
+MODEL_RESEND_S = 5.0
+"""A model proposal can be lost when leadership moves before it commits; send it again if
+the cluster has not committed it after this long (the model op is idempotent)."""
+DEFAULT_CONTEXT_TOKENS = protocol.CONTEXT_TOKENS_DEFAULT
+
+
+def status() -> Plan[Status]:
+    answer = yield from ask_answer({"op": "status"}, REQUEST_TIMEOUT_S)
+    return parse_status(answer.get("status"))
+
+
+def healthy(timeout_s: float) -> Plan[Status]:
+    """The status, once the agent hears a working leader; NoQuorum after timeout_s."""
+    start = yield Clock()
+    while True:
+        st = yield from status()
+        if st.healthy and formed(st):
+            return st
+        now = yield Clock()
+        if now - start >= timeout_s:
+            up = sum(1 for m in st.members if m.up)
+            raise NoQuorum(
+                f"the agent has no working cluster after {timeout_s:g} s (role {st.role}, {len(st.members)} members, "
+                f"{up} up, leader {st.leader or 'none'}): a majority of the voters must reach each other. A Mac cut off "
+                "from its cluster continues on its own after a few seconds; check `p2pmesh status` and the cables, then retry"
+            )
+        yield Sleep(POLL_S)
+
+
+def model_set(name: str, context_tokens: int, deadline: float) -> Plan[dict[str, Any]]:
+    """Send the model op (the agent may first download the model: it allows that hours).
+    A connection that closes unanswered (the agent restarted) is retried until the
+    deadline; a finished download is in the cache for the next try."""
+    while True:
+        now = yield Clock()
+        answer = yield from ask({"op": "model", "name": name, "context_tokens": context_tokens}, max(1.0, deadline - now),
+                                eof_ok=True)
+        if answer is not None:
+            model = answer.get("model")
+            if not isinstance(model, dict):
+                raise AgentError("the agent accepted the model but did not describe it")
+            return model
+        now = yield Clock()
+        if now >= deadline:
+            raise ModelNotLoaded(f"the agent did not accept {name} in time (it was still resolving or downloading it)")
+        yield Sleep(POLL_S)
+
+
+
+
+def load_progress(name: str, p: Placement | None, floor: int, same: bool) -> LoadProgress:
+    """Where loading `name` stands. Epochs at or below `floor` were planned before our
+    request (for another model), unless the model was already this one (`same`)."""
+    if p is None or p.model != name:
+        return LoadProgress(name, "accepted", detail="waiting for the cluster to commit the model")
+    if p.pending is not None and (same or p.pending.epoch > floor):
+        n, r, f = len(p.pending.stages), p.pending.ready_count, p.pending.fetched_count
+        if f < n:
+            return LoadProgress(name, "loading", r, n, p.pending.epoch,
+                                f"epoch {p.pending.epoch}: {f} of {n} stages have their model files (fetching)")
+        return LoadProgress(name, "loading", r, n, p.pending.epoch, f"epoch {p.pending.epoch}: {r} of {n} stage workers loaded")
+    if p.serving and p.stages and p.pending is None and (same or p.epoch > floor):
+        n = len(p.stages)
+        return LoadProgress(name, "serving", n, n, p.epoch, f"serving on {n} stage{'s' if n != 1 else ''} (epoch {p.epoch})")
+    return LoadProgress(name, "planning", detail="members are measuring the model; the leader plans a placement")
+
+
+def load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, quorum_timeout_s: float,
+            on_progress: Callable[[LoadProgress], None] | None) -> Plan[LoadedModel]:
+    name = model_name(model)
+    start = yield Clock()
+    deadline = start + timeout_s
+    before = yield from healthy(min(timeout_s, quorum_timeout_s))
+    same = before.placement is not None and before.placement.model == name
+    floor = newest_epoch(before.placement)
+    stale = before.placement.problem if before.placement is not None else None
+    info = yield from model_set(name, context_tokens, deadline)
+    sent = yield Clock()
+    # Always report acceptance first: the next poll often finds the model committed already.
+    last: LoadProgress | None = load_progress(name, None, floor, same)
+    if on_progress is not None:
+        on_progress(last)
+    while True:
+        st = yield from status()
+        problem = st.placement.problem if st.placement is not None else None
+        if problem is not None and problem.model == name and problem.context_tokens == context_tokens:
+            now = yield Clock()
+            # A verdict seen before our request stands once the cluster had time to take the
+            # request (a model set again is measured again where it could not be loaded).
+            if problem != stale or now - sent >= MODEL_RESEND_S:
+                raise refused(problem)
+        else:
+            stale = None
+        progress = load_progress(name, st.placement, floor, same)
+        if progress != last:
+            last = progress
+            if on_progress is not None:
+                on_progress(progress)
+        if progress.done:
+            assert st.placement is not None
+            return LoadedModel(str(info.get("name", name)), int(info.get("layers", 0)), int(info.get("layer_bytes", 0)),
+                               int(info.get("context_tokens", context_tokens)), st.placement)
+        now = yield Clock()
+        if now >= deadline:
+            raise ModelNotLoaded(f"{name} is not serving after {timeout_s:g} s: {progress.stage}, {progress.detail}")
+        if progress.stage == "accepted" and now - sent >= MODEL_RESEND_S and st.healthy:
+            yield from model_set(name, context_tokens, deadline)
+            sent = now
+        yield Sleep(POLL_S)
+
+
+def model_name(model: str | os.PathLike[str]) -> str:
+    """What to send as the model's name. A local directory is made absolute, because the
+    agent may run in another working directory; anything else (a Hugging Face id, a name
+    under the agent's model root) goes as given."""
+    if not isinstance(model, (str, os.PathLike)) or not os.fspath(model):
+        raise BadRequest("load needs a model: a local directory in the Hugging Face layout or a Hugging Face id (org/name)")
+    if isinstance(model, os.PathLike) or Path(model).expanduser().is_dir():
+        path = Path(os.fspath(model)).expanduser()
+        if path.is_dir():
+            return str(path.resolve())
+        return str(path)
+    return str(model)
+
+
+def model_ready(quorum_timeout_s: float) -> Plan[Status]:
+    """Before a generation: the cluster must have a model. Without one the agent would hold
+    the request for two minutes before failing it; this fails at once with the fix."""
+    st = yield from status()
+    if not formed(st):
+        st = yield from healthy(quorum_timeout_s)
+    if st.placement is None or st.placement.model is None:
+        raise ModelNotLoaded("the cluster serves no model yet: load one first (client.load(PATH_OR_HF_ID), "
+                             "or `p2pmesh model set PATH_OR_HF_ID`)")
+    if st.placement.problem is not None:
+        raise refused(st.placement.problem)
+    return st
+
+
+def generate_fields(prompt: str, max_tokens: int, temperature: float, top_p: float, seed: int) -> dict[str, Any]:
+    if not isinstance(prompt, str):
+        raise BadRequest(f"generate needs the prompt as text, got {type(prompt).__name__}")
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+
+
+def generate(fields: dict[str, Any], quorum_timeout_s: float) -> Plan[dict[str, Any]]:
+    yield from model_ready(quorum_timeout_s)
+    return {"op": "generate", **fields}
+
+
+def chat(messages: Sequence[Mapping[str, Any]], fields: dict[str, Any], quorum_timeout_s: float,
+            model_root: Path | None) -> Plan[dict[str, Any]]:
+    msgs = check_messages(messages)
+    st = yield from model_ready(quorum_timeout_s)
+    assert st.placement is not None and st.placement.model is not None
+    name = st.placement.model
+    prompt = yield Blocking(lambda: chat_prompt(name, msgs, model_root, st.state_dir))
+    return {"op": "generate", **fields, **prompt}
+
+
+
+def watch(interval_s: float) -> Plan[None]:
+    """Poll and diff. Nothing runs while the consumer does not ask for the next event, so
+    there is no backlog to bound: a slow consumer sees the changes between two polls
+    coalesced (a member that joined and left meanwhile is not reported)."""
+    prev = yield from status()
+    while True:
+        yield Sleep(interval_s)
+        cur = yield from status()
+        for event in diff(prev, cur):
+            yield Emit(event)
+        prev = cur
+
+
+
+def leave(timeout_s: float) -> Plan[bool]:
+    answer = yield from ask_answer({"op": "leave", "timeout_s": timeout_s}, timeout_s + REQUEST_TIMEOUT_S)
+    # `confirmed`: the cluster committed this Mac's removal (an agent that only stopped at
+    # its deadline has `left` but not `confirmed`); older agents answer `left` alone.
+    return bool(answer.get("confirmed", answer.get("left")))
+
