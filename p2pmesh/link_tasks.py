@@ -105,7 +105,7 @@ def _my_cables(agent: Agent) -> list[tuple[str, str, str]]:
 
 def _my_probe_hosts(agent: Agent) -> set[str]:
     m = agent.machine
-    return {addr.split("/")[0] for p in (m.ports if m else ()) if p.kind == "thunderbolt" and p.up for addr in p.ipv4}
+    return {addr.split("/")[0] for p in (m.facts.ports if m else ()) if p.kind == "thunderbolt" and p.up for addr in p.ipv4}
 
 
 async def probes(agent: Agent, port: int) -> None:
@@ -145,7 +145,7 @@ async def probes(agent: Agent, port: int) -> None:
                         log.info("probe of %s over %s failed: %s", peer[:8], interface, exc)
                         continue
                     results.append(LinkProbe(interface, peer, round(r.rtt_ms, 3), round(r.gbps, 2)))
-                if results or (m is not None and m.probes):
+                if results or (m is not None and m.facts.probes):
                     await agent.inbox_send.send(ProbesMeasured(tuple(results)))
             await trio.sleep(PROBE_CHECK_S)
 
@@ -194,7 +194,7 @@ async def configure_links(agent: Agent) -> None:
         state = m.raft.state if m and m.raft else None
         if state is not None and state.ring_epoch != last_epoch:
             last_epoch = state.ring_epoch
-            present = {port.interface: port.ipv4 for port in (m.ports if m else ())}
+            present = {port.interface: port.ipv4 for port in (m.facts.ports if m else ())}
             try:
                 commands = commands_for(agent.identity.node_id, plan_addresses(state.ring_hops), platform, present=present)
             except AddressingError as exc:

@@ -112,7 +112,7 @@ async def measure_loop(agent: Agent) -> None:
         m = agent.machine
         model = m.raft.state.model if m and m.raft else None
         # Said it cannot load this model: until the model is set again (machine.py drops it).
-        refused = m is not None and isinstance(m.measure, MeasureFailed) and model is not None and m.measure.model == model.name
+        refused = m is not None and isinstance(m.facts.measure, MeasureFailed) and model is not None and m.facts.measure.model == model.name
         if model is not None and model.name != measured and not refused and trio.current_time() >= retry_at \
                 and failures.get(model.name, 0) < MEASURE_TRIES_MAX:
             try:

@@ -82,7 +82,7 @@ async def cable_interfaces(agent: Agent) -> dict[str, tuple[str, ...]]:
     from p2pmesh.drivers.netconfig import NetconfigError, gather_bridges
 
     m = agent.machine
-    ports = {p.interface: tuple(p.ipv4) for p in (m.ports if m else ()) if p.kind == "thunderbolt" and p.up}
+    ports = {p.interface: tuple(p.ipv4) for p in (m.facts.ports if m else ()) if p.kind == "thunderbolt" and p.up}
     try:
         bridges = await gather_bridges() if ports else {}
     except NetconfigError as exc:
