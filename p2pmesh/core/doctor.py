@@ -152,6 +152,18 @@ def need(out: Output, what: str) -> str:
                            f"run `{what}` yourself to see the error"))
 
 
+def parse_switch(text: str, off: str, on: str) -> bool | None:
+    """A tool's word for a switch: False when ``off`` (a regex alternation of whole words)
+    appears, else True when ``on`` does, else None (off is looked for first: a text that
+    names both reads as off)."""
+    low = text.lower()
+    if re.search(rf"\b({off})\b", low):
+        return False
+    if re.search(rf"\b({on})\b", low):
+        return True
+    return None
+
+
 def guard(name: str, body: Any, *args: Any) -> Check:
     """Run one check body, turning unavailable facts and malformed captures into findings."""
     try:

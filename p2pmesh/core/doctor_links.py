@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from p2pmesh.core.addressing import bridge_warnings, parse_ifconfig_bridge_members
-from p2pmesh.core.doctor import ADDRESS_FIX, Check, Finding, NoFacts, Output, fold, guard, need, skipped
+from p2pmesh.core.doctor import ADDRESS_FIX, Check, Finding, NoFacts, Output, fold, guard, need, parse_switch, skipped
 from p2pmesh.core.linux_links import linux_ports, macos_ports, parse_ifconfig, parse_ibv_devices
 from p2pmesh.core.messages import PortInfo
 from p2pmesh.core.thunderbolt import CaptureError, TbPort, local_ports, parse_networksetup, parse_system_profiler
@@ -267,12 +267,7 @@ def parse_macos_version(text: str) -> tuple[int, ...]:
 
 def parse_rdma_ctl(text: str) -> bool | None:
     """`rdma_ctl status`: True when it says enabled, False when disabled, None otherwise."""
-    low = text.lower()
-    if re.search(r"\bdisabled\b", low):
-        return False
-    if re.search(r"\benabled\b", low):
-        return True
-    return None
+    return parse_switch(text, "disabled", "enabled")
 
 
 def check_rdma(facts: LinkFacts) -> Check:
