@@ -47,31 +47,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from p2pmesh.core.placement_cost import (
-    BYTES_MAX,
-    GBPS_MAX,
-    HOP_MS_MAX,
-    LAYERS_MAX,
-    LINKS_MAX,
-    MS_MAX,
-    NETWORK_GBPS,
-    NODES_MAX,
-    OBJECTIVES,
-    SINGLE_NODE_SLACK,
-    STAGE_OVERHEAD_MS,
-    TICKS_PER_MS,
-    CostContext,
-    ModelSpec,
-    NodeSpec,
-    PlacementError,
-    Plan,
-    ScenarioError,
-    Stage,
-    cost_context,
-    evaluate,
-    memory_shortfall,
-    stage_indices,
-)
+from p2pmesh.core.placement_cost import (BYTES_MAX, GBPS_MAX, HOP_MS_MAX, LAYERS_MAX, LINKS_MAX, MS_MAX, NETWORK_GBPS,
+                                          NODES_MAX, OBJECTIVES, SINGLE_NODE_SLACK, STAGE_OVERHEAD_MS, TICKS_PER_MS,
+                                          CostContext, ModelSpec, NodeSpec, PlacementError, Plan, ScenarioError, Stage,
+                                          cost_context, evaluate, memory_shortfall, stage_indices)
 from p2pmesh.core.placement_search import prefix_keys, reconstruct, solve_latency, solve_throughput
 from p2pmesh.core.ring import Link, parse_graph
 
