@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -302,19 +301,18 @@ async def _link_facts(timeout_s: float) -> LinkFacts:
 
 
 async def _agent_status(socket: Path, timeout_s: float) -> tuple[dict[str, Any] | None, str | None]:
-    from p2pmesh.drivers.control import ControlError, request
+    """The agent's status object, or why there is none (None: no agent runs there, which
+    the check says itself)."""
+    from p2pmesh.client import AgentNotRunning, AsyncClient, P2PMeshError
 
-    answer = None
     with trio.move_on_after(timeout_s + 1.0):
         try:
-            answer = await trio.to_thread.run_sync(partial(request, socket, "status", timeout_s=timeout_s),
-                                                   abandon_on_cancel=True)
-        except ControlError as exc:
+            return await AsyncClient(socket).status_object(timeout=timeout_s), None
+        except AgentNotRunning:
+            return None, None
+        except P2PMeshError as exc:
             return None, str(exc)
-    if answer is None:
-        return None, f"the agent at {socket} did not answer within {timeout_s:g} s"
-    status = answer.get("status")
-    return (status, None) if isinstance(status, dict) else (None, "the agent's answer has no status object")
+    return None, f"the agent at {socket} did not answer within {timeout_s:g} s"
 
 
 async def _mlx(opts: Options) -> Check:

@@ -219,12 +219,12 @@ def _status(args: argparse.Namespace) -> Any:
             raise _Refused(f"{args.status_file} is not a JSON status (save one with `p2pmesh status --json`): {exc}") from None
     # The agent owns where its state and socket live; ask it rather than restating the rule.
     from p2pmesh.agent import AgentConfig, default_state_dir
-    from p2pmesh.drivers.control import ControlError, request
+    from p2pmesh.client import Client, P2PMeshError
 
     state_dir = args.state_dir if args.state_dir is not None else default_state_dir()
     try:
-        return request(AgentConfig(state_dir=state_dir).socket_path, "status")["status"]
-    except ControlError as exc:
+        return Client(AgentConfig(state_dir=state_dir).socket_path).status_object()
+    except P2PMeshError as exc:
         hint = ""
         if args.state_dir is None and os.environ.get("SUDO_USER") and os.geteuid() == 0:
             hint = (" (under sudo the default state directory is root's: pass --state-dir, or save "

@@ -392,11 +392,12 @@ def _memory_level(total: int, available: int, quit_apps: str) -> Finding:
 
 def check_agent(status: Mapping[str, Any] | None, error: str | None, *, socket: str) -> Check:
     """The local agent's view: leader, members up or down, the ring and its addresses.
-    Protocol versions are compared when the status carries them."""
+    Protocol versions are compared when the status carries them. Without a status, `error`
+    says why it could not be read (None: no agent runs at `socket`, which the finding says)."""
     if status is None:
         return fold("agent", [Finding("skip", f"no agent answers at {socket}",
                                       "start one with `p2pmesh agent` (pass --state-dir or --socket if it keeps its "
-                                      "state elsewhere)")], [error] if error and "no agent is running" not in error else [])
+                                      "state elsewhere)")], [error] if error else [])
     members = [m for m in status.get("members") or [] if isinstance(m, dict)]
     node_id, leader = str(status.get("node_id", "?")), status.get("leader")
     down = [str(m.get("node_id", "?")) for m in members if not m.get("up", True)]

@@ -661,8 +661,10 @@ def test_a_healthy_agent_reports_its_cluster() -> None:
 
 
 def test_no_agent_skips_with_how_to_start_one() -> None:
-    c = check_agent(None, "no agent is running at /s (No such file or directory); start one with `p2pmesh agent`", socket="/s")
-    assert c.status == "skip" and c.fix is not None and "p2pmesh agent" in c.fix
+    c = check_agent(None, None, socket="/s")  # no agent runs there: the finding says it, no detail
+    assert c.status == "skip" and c.fix is not None and "p2pmesh agent" in c.fix and c.details == ()
+    silent = check_agent(None, "the agent sent nothing for 3 s", socket="/s")  # one runs, but failed: why is shown
+    assert silent.status == "skip" and silent.details == ("the agent sent nothing for 3 s",)
 
 
 def test_agent_problems_each_warn() -> None:
