@@ -34,7 +34,7 @@ from typing import Any
 import trio
 
 from p2pmesh.core import advert
-from p2pmesh.core.doctor import (
+from p2pmesh.platform.doctor import (
     CHECK_NAMES,
     REPORT_FIX,
     Check,
@@ -51,7 +51,7 @@ from p2pmesh.core.doctor import (
     report_json,
     skipped,
 )
-from p2pmesh.core.doctor_links import (
+from p2pmesh.platform.doctor_links import (
     LinkFacts,
     LinuxFacts,
     MacFacts,
@@ -61,14 +61,14 @@ from p2pmesh.core.doctor_links import (
     check_thunderbolt,
     usable_interfaces,
 )
-from p2pmesh.core.doctor_firewall import (
+from p2pmesh.platform.doctor_firewall import (
     FIREWALL_TOOL,
     MacFirewallFacts,
     check_firewall_linux,
     check_firewall_macos,
     firewall_app_path,
 )
-from p2pmesh.core.thunderbolt import CaptureError
+from p2pmesh.platform.thunderbolt import CaptureError
 from p2pmesh.drivers.linkwatch import (
     IBV_DEVICES_ARGV,
     IFCONFIG_ARGV,

@@ -5,7 +5,7 @@
   p2pmesh links apply [--yes]  [--status-file FILE] [--state-dir DIR]
 
 `parse` reads files only (it never runs system_profiler itself), so a capture from another
-Mac, or a bug report, can be checked anywhere; the parsing lives in p2pmesh.core.thunderbolt.
+Mac, or a bug report, can be checked anywhere; the parsing lives in p2pmesh.platform.thunderbolt.
 
 `plan` reads the committed ring (from the running agent, or a saved `p2pmesh status --json`)
 and prints the exact commands this Mac would run to give its ring cables their addresses
@@ -37,7 +37,7 @@ from p2pmesh.core.addressing import (
     ring_from_status,
     unaddressed_hops,
 )
-from p2pmesh.core.thunderbolt import CaptureError, local_ports, to_json
+from p2pmesh.platform.thunderbolt import CaptureError, local_ports, to_json
 from p2pmesh.drivers import netconfig
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from p2pmesh.core.linux_links import bench_alias, bench_lan_alias
+from p2pmesh.platform.linux_links import bench_alias, bench_lan_alias
 
 IP_TIMEOUT_S = 10
 

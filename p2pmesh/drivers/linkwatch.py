@@ -26,9 +26,9 @@ from pathlib import Path
 import trio
 
 from p2pmesh.core.errors import MeshError
-from p2pmesh.core.linux_links import linux_ports, macos_ports
+from p2pmesh.platform.linux_links import linux_ports, macos_ports
 from p2pmesh.core.messages import PortInfo
-from p2pmesh.core.thunderbolt import CaptureError
+from p2pmesh.platform.thunderbolt import CaptureError
 
 log = logging.getLogger("p2pmesh.linkwatch")
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from p2pmesh.core.doctor import TEXT_CHARS_MAX, Check, Finding, Output, fold, guard, need, parse_switch, skipped
+from p2pmesh.platform.doctor import TEXT_CHARS_MAX, Check, Finding, Output, fold, guard, need, parse_switch, skipped
 
 FIREWALL_TOOL = "/usr/libexec/ApplicationFirewall/socketfilterfw"
 

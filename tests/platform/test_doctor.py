@@ -1,4 +1,4 @@
-"""The pure half of `p2pmesh doctor` (p2pmesh/core/doctor.py) on real captures.
+"""The pure half of `p2pmesh doctor` (p2pmesh/platform/doctor*.py) on real captures.
 
 macOS link checks read the captures in tests/fixtures/thunderbolt (SOURCES.md says where each
 came from); the outputs that folder lacks (socketfilterfw, rdma_ctl, vm_stat, sysctl,
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pmesh.core.doctor import (
+from p2pmesh.platform.doctor import (
     ADDRESS_FIX,
     CHECK_NAMES,
     Check,
@@ -37,7 +37,7 @@ from p2pmesh.core.doctor import (
     render_text,
     report_json,
 )
-from p2pmesh.core.doctor_links import (
+from p2pmesh.platform.doctor_links import (
     LinuxFacts,
     MacFacts,
     check_addresses,
@@ -48,7 +48,7 @@ from p2pmesh.core.doctor_links import (
     parse_rdma_ctl,
     usable_interfaces,
 )
-from p2pmesh.core.doctor_firewall import (
+from p2pmesh.platform.doctor_firewall import (
     MacFirewallFacts,
     check_firewall_linux,
     check_firewall_macos,
@@ -60,8 +60,8 @@ from p2pmesh.core.doctor_firewall import (
     parse_on_off,
     port_verdict,
 )
-from p2pmesh.core.linux_links import bench_alias
-from p2pmesh.core.thunderbolt import CaptureError
+from p2pmesh.platform.linux_links import bench_alias
+from p2pmesh.platform.thunderbolt import CaptureError
 from p2pmesh.core.wire import PROTOCOL_VERSION
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "thunderbolt"

@@ -11,10 +11,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from p2pmesh.core.addressing import bridge_warnings, parse_ifconfig_bridge_members
-from p2pmesh.core.doctor import ADDRESS_FIX, Check, Finding, NoFacts, Output, fold, guard, need, parse_switch, skipped
-from p2pmesh.core.linux_links import linux_ports, macos_ports, parse_ifconfig, parse_ibv_devices
+from p2pmesh.platform.doctor import ADDRESS_FIX, Check, Finding, NoFacts, Output, fold, guard, need, parse_switch, skipped
+from p2pmesh.platform.linux_links import linux_ports, macos_ports, parse_ifconfig, parse_ibv_devices
 from p2pmesh.core.messages import PortInfo
-from p2pmesh.core.thunderbolt import CaptureError, TbPort, local_ports, parse_networksetup, parse_system_profiler
+from p2pmesh.platform.thunderbolt import CaptureError, TbPort, local_ports, parse_networksetup, parse_system_profiler
 
 RDMA_MACOS = (26, 2)  # TN3205: RDMA over Thunderbolt starts with macOS 26.2
 SLOW_LINK_GBPS = 40.0

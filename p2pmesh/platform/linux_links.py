@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pmesh.core.messages import PortInfo
-from p2pmesh.core.thunderbolt import CaptureError, local_ports, parse_networksetup
+from p2pmesh.platform.thunderbolt import CaptureError, local_ports, parse_networksetup
 
 # Bounds: a real host has tens of interfaces and a few hundred sysfs files; anything far
 # above is hostile or broken, and refusing it keeps time and memory bounded.

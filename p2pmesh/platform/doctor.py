@@ -34,7 +34,7 @@ from p2pmesh.core.addressing import (
 )
 from p2pmesh.core.advert import compatible, parse_txt
 from p2pmesh.core.errors import RemoteProtocolError
-from p2pmesh.core.thunderbolt import CaptureError
+from p2pmesh.platform.thunderbolt import CaptureError
 from p2pmesh.core.wire import PROTOCOL_VERSION
 
 Status = Literal["ok", "warn", "fail", "skip"]
