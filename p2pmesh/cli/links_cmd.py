@@ -37,8 +37,8 @@ from p2pmesh.core.addressing import (
     ring_from_status,
     unaddressed_hops,
 )
-from p2pmesh.platform.thunderbolt import CaptureError, local_ports, to_json
 from p2pmesh.drivers import netconfig
+from p2pmesh.platform.thunderbolt import CaptureError, local_ports, to_json
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

@@ -21,21 +21,20 @@ from p2pmesh.platform.doctor import (
     CHECK_NAMES,
     Check,
     Finding,
-    MdnsProbe,
     Output,
-    SeenAdvert,
-    check_agent,
-    check_mdns,
+    exit_code,
+    fold,
+    render_text,
+    report_json,
+)
+from p2pmesh.platform.doctor_cluster import MdnsProbe, SeenAdvert, check_agent, check_mdns
+from p2pmesh.platform.doctor_host import (
     check_memory_linux,
     check_memory_macos,
     check_mlx,
-    exit_code,
-    fold,
     parse_meminfo,
     parse_sysctl_int,
     parse_vm_stat,
-    render_text,
-    report_json,
 )
 from p2pmesh.platform.doctor_links import (
     LinuxFacts,
