@@ -25,7 +25,6 @@ probe, or changing anything on the machine (every fix is a suggestion for the us
 from __future__ import annotations
 
 import re
-
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
