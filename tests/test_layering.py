@@ -230,3 +230,11 @@ def test_the_clients_plans_do_no_io(name: str) -> None:
         top = imported.split(".")[0]
         assert top not in CORE_FORBIDDEN - {"os", "pathlib"}, f"client/{name}:{line} imports {imported} (plans are sans-I/O)"
         assert imported not in ("p2pmesh.client.drivers", "p2pmesh.client.api"), f"client/{name}:{line} imports {imported}"
+
+
+def test_the_cli_and_the_client_talk_to_the_agent_only_through_the_client() -> None:
+    """drivers/control.py is the agent's side of the control socket: the CLI asks the agent
+    through client/ (one set of typed errors), and client/ speaks the protocol itself."""
+    for module, imported in _import_graph().items():
+        if module.startswith(("p2pmesh.cli", "p2pmesh.client")):
+            assert "p2pmesh.drivers.control" not in imported, f"{module} imports p2pmesh.drivers.control: use p2pmesh.client"
