@@ -4,10 +4,7 @@ conversation, each through both clients (sync and async) against a scripted cont
 that speaks the protocol line by line (drivers/control.py is the real one)."""
 from __future__ import annotations
 
-import json
-import socket
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,68 +13,7 @@ import trio
 
 import p2pmesh
 from p2pmesh.core.protocol import ErrorCode, error_answer
-
-Conversation = Callable[[dict[str, Any], Callable[[], dict[str, Any] | None], Callable[[dict[str, Any]], None]], None]
-
-
-class Agent:
-    """A control socket: each connection's first line goes to `talk(request, read, send)`,
-    which may read more lines (None once the client closed) and send any."""
-
-    def __init__(self, path: Path, talk: Conversation) -> None:
-        self.path, self.talk = path, talk
-        self.requests: list[dict[str, Any]] = []
-        self.answers: list[dict[str, Any] | None] = []
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        self.sock.listen(8)
-        self.sock.settimeout(0.2)
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            with conn, conn.makefile("rb") as lines:
-                conn.settimeout(5)
-
-                def read() -> dict[str, Any] | None:
-                    line = lines.readline()
-                    answer = json.loads(line) if line else None
-                    self.answers.append(answer)
-                    return answer
-
-                def send(obj: dict[str, Any]) -> None:
-                    conn.sendall(json.dumps(obj).encode() + b"\n")
-
-                self.requests.append(json.loads(lines.readline()))
-                try:
-                    self.talk(self.requests[-1], read, send)
-                except OSError:
-                    pass
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.thread.join(5)
-        self.sock.close()
-
-
-@pytest.fixture
-def agent_at(tmp_path: Path) -> Iterator[Callable[[Conversation], Agent]]:
-    agents: list[Agent] = []
-
-    def start(talk: Conversation) -> Agent:
-        agents.append(Agent(tmp_path / f"agent{len(agents)}.sock", talk))
-        return agents[-1]
-
-    yield start
-    for a in agents:
-        a.stop()
-
+from tests.fixtures.control_socket import control_sockets  # noqa: F401 (a fixture)
 
 def both(path: Path, call: Callable[[Any], Any], acall: Callable[[Any], Any]) -> list[Any]:
     """The result of `call(Client)` and of `await acall(AsyncClient)`, or the error each raised."""
@@ -100,16 +36,16 @@ def both(path: Path, call: Callable[[Any], Any], acall: Callable[[Any], Any]) ->
 STATUS = {"node_id": "a" * 32, "role": "leader", "an_agent_field_the_client_does_not_type": [1, 2]}
 
 
-def test_status_object_is_the_agents_json_as_sent(agent_at: Any) -> None:
-    agent = agent_at(lambda r, read, send: send({"ok": True, "status": STATUS}))
+def test_status_object_is_the_agents_json_as_sent(control_sockets: Any) -> None:
+    agent = control_sockets(lambda r, read, send: send({"ok": True, "status": STATUS}))
     assert both(agent.path, lambda c: c.status_object(), lambda c: c.status_object(timeout=2)) == [STATUS, STATUS]
     assert agent.requests == [{"op": "status"}] * 2
-    shapeless = agent_at(lambda r, read, send: send({"ok": True, "status": [1]}))
+    shapeless = control_sockets(lambda r, read, send: send({"ok": True, "status": [1]}))
     for raised in both(shapeless.path, lambda c: c.status_object(), lambda c: c.status_object()):
         assert type(raised) is p2pmesh.AgentError and "no status object" in str(raised)
 
 
-def test_set_model_asks_once_and_says_what_was_accepted(agent_at: Any, tmp_path: Path) -> None:
+def test_set_model_asks_once_and_says_what_was_accepted(control_sockets: Any, tmp_path: Path) -> None:
     described = {"name": "", "layers": 4, "layer_bytes": 1000, "context_tokens": 256}
 
     def talk(r: dict[str, Any], read: Any, send: Any) -> None:
@@ -120,7 +56,7 @@ def test_set_model_asks_once_and_says_what_was_accepted(agent_at: Any, tmp_path:
         else:
             send({"ok": True, "model": {**described, "name": r["name"]}})
 
-    agent = agent_at(talk)
+    agent = control_sockets(talk)
     model = tmp_path / "m"
     model.mkdir()
     info = p2pmesh.ModelInfo(str(model.resolve()), 4, 1000, 256)
@@ -143,8 +79,8 @@ def _pairing(r: dict[str, Any], read: Any, send: Any) -> None:
     send({"ok": True, "paired": bool(answer and answer.get("same_code") is True), "final": True, "peer": "b" * 32})
 
 
-def test_pair_emits_each_event_and_answers_the_question(agent_at: Any) -> None:
-    agent = agent_at(_pairing)
+def test_pair_emits_each_event_and_answers_the_question(control_sockets: Any) -> None:
+    agent = control_sockets(_pairing)
     asked: list[str] = []
 
     def answer(yes: bool) -> Callable[[dict[str, Any]], bool]:
@@ -166,7 +102,7 @@ def test_pair_emits_each_event_and_answers_the_question(agent_at: Any) -> None:
     assert agent.answers == [{"same_code": True}] * 2 + [{"same_code": False}] * 2
 
 
-def test_a_pairing_the_agent_cuts_or_refuses_is_a_typed_error(agent_at: Any) -> None:
+def test_a_pairing_the_agent_cuts_or_refuses_is_a_typed_error(control_sockets: Any) -> None:
     def cut(r: dict[str, Any], read: Any, send: Any) -> None:
         send({"ok": True, "event": "waiting", "role": "host"})  # then it hangs up
 
@@ -177,6 +113,6 @@ def test_a_pairing_the_agent_cuts_or_refuses_is_a_typed_error(agent_at: Any) -> 
         return [e async for e in c.pair(window=5, answer=lambda e: True)]
 
     for talk, kind, words in ((cut, p2pmesh.AgentError, "before its end"), (old_agent, p2pmesh.AgentError, "same version")):
-        path = agent_at(talk).path
+        path = control_sockets(talk).path
         for raised in both(path, lambda c: list(c.pair(window=5, answer=lambda e: True)), collect):
             assert type(raised) is kind and words in str(raised), raised

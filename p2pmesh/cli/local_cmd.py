@@ -217,7 +217,8 @@ def _serve(args: argparse.Namespace, root: Path, nodes: list[Node]) -> int:
             except P2PMeshError as exc:
                 print(f"p2pmesh: {exc}", file=sys.stderr)
                 return 1
-            print(json.dumps({"model": asdict(model) if model else None}) if args.json else f"serving {args.model}", flush=True)
+            said = {"model": asdict(model) if model else None}
+            print(json.dumps(said) if args.json else f"serving {args.model}", flush=True)
         while not stopping and all(p.poll() is None for p in procs):
             time.sleep(POLL_S)
         return 0

@@ -106,6 +106,6 @@ __all__ = [
 ]
 
 # Not in __all__ (not the documented API) but importable as before: the CLI and tests use them.
-_ALSO = (DEFAULT_CONTEXT_TOKENS, LINE_BYTES_MAX, LOAD_TIMEOUT_S, MODEL_RESEND_S, MODEL_TIMEOUT_S, POLL_S, QUORUM_TIMEOUT_S,
-         REQUEST_TIMEOUT_S, SOCKET_ENV, SOCKET_NAME, STREAM_IDLE_TIMEOUT_S, MeshError, locate_socket, model_name,
+_ALSO = (DEFAULT_CONTEXT_TOKENS, LINE_BYTES_MAX, LOAD_TIMEOUT_S, MODEL_RESEND_S, MODEL_TIMEOUT_S, POLL_S,
+         QUORUM_TIMEOUT_S, REQUEST_TIMEOUT_S, SOCKET_ENV, SOCKET_NAME, STREAM_IDLE_TIMEOUT_S, MeshError, locate_socket, model_name,
          _chat_prompt, _check_messages, _diff, _load_progress, _model_directory, _refused, _status)

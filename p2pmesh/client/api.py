@@ -13,17 +13,8 @@ from p2pmesh.client import plans
 from p2pmesh.client.drivers import AsyncDriver, SyncDriver, locate_socket
 from p2pmesh.client.plans import DEFAULT_CONTEXT_TOKENS, LOAD_TIMEOUT_S, MODEL_TIMEOUT_S, POLL_S, QUORUM_TIMEOUT_S
 from p2pmesh.client.steps import REQUEST_TIMEOUT_S, Decoder, Plan, generation
-from p2pmesh.client.values import (
-    Event,
-    GenerationResult,
-    LoadedModel,
-    LoadProgress,
-    Member,
-    ModelInfo,
-    Placement,
-    Ring,
-    Status,
-)
+from p2pmesh.client.values import Event, GenerationResult, LoadedModel, LoadProgress, Member, ModelInfo, Placement, Ring
+from p2pmesh.client.values import Status
 from p2pmesh.core.protocol import AgentError
 
 
@@ -143,7 +134,8 @@ class AsyncClient(_Base):
         """Leave the cluster gracefully; the agent then exits. True once the cluster confirmed."""
         return await self._driver().run(plans.leave(timeout))
 
-    def pair(self, *, window: float, answer: Callable[[dict[str, Any]], bool], join: bool = False) -> AsyncIterator[dict[str, Any]]:
+    def pair(self, *, window: float, answer: Callable[[dict[str, Any]], bool],
+             join: bool = False) -> AsyncIterator[dict[str, Any]]:
         """Pair over a cable (docs/pairing.md): let a Mac in, or with `join` get the key of
         the Mac at the other end. Yields the agent's events (JSON objects) until the final
         one (`paired`, or `error`); `answer(event)` (run in a thread: it may ask a person)
@@ -258,7 +250,8 @@ class Client(_Base):
     def leave(self, *, timeout: float = 90.0) -> bool:
         return self._driver().run(plans.leave(timeout))
 
-    def pair(self, *, window: float, answer: Callable[[dict[str, Any]], bool], join: bool = False) -> Iterator[dict[str, Any]]:
+    def pair(self, *, window: float, answer: Callable[[dict[str, Any]], bool],
+             join: bool = False) -> Iterator[dict[str, Any]]:
         return self._driver().iterate(plans.pair(join, window, answer))
 
 

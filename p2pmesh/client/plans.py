@@ -13,35 +13,10 @@ from typing import Any
 
 from p2pmesh.client.chat import chat_prompt, check_messages
 from p2pmesh.client.events import diff
-from p2pmesh.client.steps import (
-    EOF_,
-    REQUEST_TIMEOUT_S,
-    Blocking,
-    Clock,
-    Close,
-    Connect,
-    Emit,
-    Lines,
-    Plan,
-    Send,
-    Sleep,
-    ask,
-    ask_answer,
-    checked,
-    encode,
-    read_line,
-)
-from p2pmesh.client.values import (
-    LoadedModel,
-    LoadProgress,
-    ModelInfo,
-    Placement,
-    Status,
-    formed,
-    newest_epoch,
-    parse_model,
-    parse_status,
-)
+from p2pmesh.client.steps import EOF_, REQUEST_TIMEOUT_S, Blocking, Clock, Close, Connect, Emit, Lines, Plan, Send, Sleep
+from p2pmesh.client.steps import ask, ask_answer, checked, encode, read_line
+from p2pmesh.client.values import LoadedModel, LoadProgress, ModelInfo, Placement, Status, formed, newest_epoch
+from p2pmesh.client.values import parse_model, parse_status
 from p2pmesh.core import protocol
 from p2pmesh.core.protocol import AgentError, BadRequest, ModelNotLoaded, NoQuorum, refused
 
