@@ -154,7 +154,9 @@ class Scheduler:
             raise ValueError("a request needs a prompt and max_new >= 1")
         if self.known(rid):
             raise ValueError(f"request {rid!r} is already running")
-        if len(self.active) >= self.max_batch and len(self.queue) >= self.max_queue:
+        # Busy when every slot is taken and the queue is full (requests not admitted yet
+        # count as queued: admission happens at the next plan()).
+        if self.running + len(self.queue) >= self.max_batch + self.max_queue:
             return False
         self.queue.append(Request(rid, self._next_no, tuple(prompt), max_new, sampling, eos))
         self._next_no += 1

@@ -302,8 +302,10 @@ class Server:
         sched, engine = self.scheduler, self.engine
         while True:
             self._take(commands, block=sched.idle and not self.closing)
-            if self.closing and sched.idle:
-                return
+            if sched.idle:
+                if self.closing:
+                    return
+                continue  # the commands started nothing (refused, cancelled): wait for more
             try:
                 steps = sched.plan()
                 for step in steps:
@@ -434,4 +436,12 @@ class ContinuationText:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # The stdin reader (a daemon thread) may still wait in readline, holding the buffered
+    # reader's lock, and interpreter finalization would then abort: leave without it.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
