@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Continuous batching in one process: the worker's engine batched vs sequential vs mlx-lm.
 
-    .venv/bin/python scripts/bench_batch.py [--model PATH | --hidden 256 --layers 8] [--tokens 64] [--runs 2]
+    .venv/bin/python scripts/bench_batch.py [--model PATH | --hidden 256 --layers 8] [--tokens 64] [--runs 2] [--stages 2]
 
 The same 8 prompts (different lengths), each with max_tokens = --tokens, greedy, EOS ignored
 so every run produces the same number of tokens:
@@ -14,6 +14,9 @@ Aggregate tokens/s = all generated tokens / wall time of the run (prefill includ
 --runs after a warm-up. Prints a JSON line with the figures and the ratios. Also checks that
 (a) and (b) give the same tokens. A benchmark, not a test: numbers depend on the machine.
 Without --model it writes a random llama with scripts/make_tiny_model.py (float32).
+With --stages S (>= 2) it also runs real worker processes (tests/worker/worker_cluster.py)
+over a loopback MLX ring, layers split evenly: the 8 requests sent at once vs one after
+another, tokens/s from the first command to the last done event.
 """
 from __future__ import annotations
 
@@ -80,6 +83,35 @@ def run_mlx_sequential(model: object, ids: list[list[int]], tokens: int) -> tupl
     return time.perf_counter() - t0, n
 
 
+def run_workers(path: Path, layers: int, stages: int, ids: list[list[int]], tokens: int, work: Path) -> dict[str, float]:
+    from tests.worker.worker_cluster import Cluster
+
+    cut = [round(layers * i / stages) for i in range(stages + 1)]
+    cluster = Cluster(path, [[cut[i], cut[i + 1]] for i in range(stages)], work)
+    rates: dict[str, float] = {}
+    try:
+        cluster.start()
+        cluster.wait_ready()
+        for mode in ("warmup", "concurrent", "sequential"):
+            t0 = time.perf_counter()
+            groups = [list(range(len(ids)))] if mode != "sequential" else [[i] for i in range(len(ids))]
+            n = 0
+            for group in groups:
+                for i in group:
+                    cluster.send({"op": "generate", "id": f"{mode}{i}", "prompt_tokens": ids[i], "max_tokens": tokens})
+                left = len(group)
+                deadline = time.monotonic() + 600
+                while left:
+                    e = cluster.next_event(0, deadline)
+                    n += e["event"] == "token"
+                    left -= e["event"] in ("done", "error")
+            rates[mode] = n / (time.perf_counter() - t0)
+        assert cluster.shutdown() == [0] * stages, cluster.stderrs()
+    finally:
+        cluster.close()
+    return {f"workers_{stages}_stages_{k}": v for k, v in rates.items() if k != "warmup"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="a model directory (default: a random llama written here)")
@@ -87,6 +119,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--stages", type=int, default=0, help="also real worker processes with this many stages (>= 2)")
     args = ap.parse_args()
 
     import mlx_lm
@@ -129,6 +162,13 @@ def main() -> int:
             "engine_sequential_vs_mlx_sequential": round(best["engine_sequential"] / best["mlx_sequential"], 2),
             "batched_tokens_equal_sequential": same,
         }
+        if args.stages >= 2:
+            work = Path(tmp) / "workers"
+            work.mkdir()
+            w = run_workers(path, int(cfg["num_hidden_layers"]), args.stages, ids, args.tokens, work)
+            result["tok_s"].update({k: round(v, 1) for k, v in w.items()})
+            result[f"workers_{args.stages}_stages_concurrent_vs_sequential"] = round(
+                w[f"workers_{args.stages}_stages_concurrent"] / w[f"workers_{args.stages}_stages_sequential"], 2)
         print(json.dumps(result))
     return 0
 
