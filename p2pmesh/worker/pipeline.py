@@ -26,7 +26,8 @@ SHUTDOWN goes once around the ring (0 -> 1 -> ... -> n-1 -> 0), so when rank 0 g
 back every rank has left its loop; then all drain (synchronize, barrier all_sum) and exit.
 
 Caches. Every stage keeps, per request, its own KV caches while it prefills (`solo`), and
-one batched cache per decode group (mlx-lm's BatchKVCache: left-padded rows). A DECODE
+one batched cache per decode group (mlx-lm's BatchKVCache: left-padded rows; a group that
+has only ever had one request keeps that request's plain caches). A DECODE
 step lists the group's requests in order: the ones the stage already has first, then the
 newcomers, whose prefill caches are merged into the group (BatchKVCache.merge / extend);
 RELEASE filters rows out. So all stages hold the same groups as rank 0 decides them, and
@@ -233,12 +234,19 @@ class Stage:
             if s is None:
                 raise PipelineError(f"{self._where()}: request {r.no} joins a group without a prefill")
             solos.append(s)
-        merged = [type(layer[0]).merge(list(layer)) for layer in zip(*(s.cache for s in solos))]
-        if g.cache is None:
-            g.cache = merged
+        if g.cache is None and len(solos) == 1:
+            # A group of one keeps the request's own caches: single-stream decoding runs
+            # exactly as unbatched (no padding mask, scalar RoPE offsets), at full speed.
+            g.cache = solos[0].cache
+        elif g.cache is not None and not hasattr(g.cache[0], "extend"):
+            g.cache = [type(layer[0]).merge(list(layer)) for layer in zip(g.cache, *(s.cache for s in solos))]
         else:
-            for mine, theirs in zip(g.cache, merged):
-                mine.extend(theirs)
+            merged = [type(layer[0]).merge(list(layer)) for layer in zip(*(s.cache for s in solos))]
+            if g.cache is None:
+                g.cache = merged
+            else:
+                for mine, theirs in zip(g.cache, merged):
+                    mine.extend(theirs)
         g.nos += [r.no for r in rows]
         g.positions += [s.position for s in solos]
 
