@@ -27,6 +27,7 @@ Formation and merging (no seed node, no configuration)
 from __future__ import annotations
 
 import enum
+import operator
 import random
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -377,6 +378,9 @@ class Machine:
         self.probes: tuple[LinkProbe, ...] = ()
         self._ports_sent_ms = -(10**9)
         self._addresses_sent_ms = -(10**9)
+        self._ports_current: tuple[object, ...] = (None,) * 6
+        """(committed state, incarnation, addresses, caps, ports, probes) when the committed
+        member last matched the local facts: nothing to publish while they stay the same."""
         self.measure: Measure | MeasureFailed | None = None
         self._failure_committed = False  # our MeasureFailed was committed (then cluster.py may forget it)
         self._measure_sent_ms = -(10**9)
@@ -1007,6 +1011,9 @@ class Machine:
         r = self.raft
         if r is None or self.mode is not Mode.MEMBER or self.leaving or r.leader is None:
             return
+        facts = (r.state, self.inc, self.addresses, self.caps, self.ports, self.probes)
+        if all(map(operator.is_, facts, self._ports_current)):
+            return  # the very objects found up to date last time (this runs after every input)
         mine = find_member(r.state, self.node_id)
         if mine is None or mine.inc != self.inc:
             return
@@ -1017,6 +1024,8 @@ class Machine:
             self._addresses_sent_ms = now_ms
             self._propose(UpdateMember(self.node_id, self.inc, self.addresses or mine.addresses, self.caps), now_ms)
         if mine.ports == self.ports and mine.probes == self.probes:
+            if not changed:
+                self._ports_current = facts
             return
         if now_ms - self._ports_sent_ms < self.settings.hello_ms:
             return  # at most one update in flight per hello period
@@ -1146,16 +1155,19 @@ class Machine:
             self.unhealthy_since_ms = None
         elif self.unhealthy_since_ms is None:
             self.unhealthy_since_ms = now_ms
-        out = r.take_output()
-        self._merge_output(out, now_ms)
+        applied: list[Entry] = []
+        if not r.out.is_empty():  # (half of all inputs leave Raft nothing to report)
+            out = r.take_output()
+            self._merge_output(out, now_ms)
+            applied = out.applied
         leader = r.leader.node_id if r.leader else None
         if leader != self._last_leader:
             self._last_leader = leader
             if leader is not None:
                 self.ready.events.append(ClusterEvent("leader elected", f"{leader} term {r.term}"))
-        if self.leaving and out.applied:
+        if self.leaving and applied:
             self._drive_leave(now_ms)
-        if self.mode is Mode.MEMBER and not self.leaving and self._removed_in(out.applied):
+        if applied and self.mode is Mode.MEMBER and not self.leaving and self._removed_in(applied):
             self._become_unformed(now_ms, "removed from the cluster")
 
     def _removed_in(self, applied: list[Entry]) -> bool:

@@ -84,6 +84,11 @@ class RaftOutput:
     """ReadIndex results for local readers: (ctx, ok). ok means the state is now readable."""
     role_changed: bool = False
 
+    def is_empty(self) -> bool:
+        """Nothing to persist, send or act on (``role_changed`` alone is only a hint)."""
+        return (not (self.messages or self.applied or self.reads) and self.hard_state is None and self.snapshot is None
+                and self.log_dirty_from is None)
+
 
 @dataclass(slots=True)
 class Progress:
@@ -95,6 +100,10 @@ class Progress:
     recent_active: bool = False
     acked_round: int = 0
     snapshot_sent: bool = False
+    voter: bool = False
+    """A voter of the leader's latest configuration, not a learner (etcd's IsLearner, the
+    other way round): commits, reads and CheckQuorum count voters only, on every
+    acknowledgement, and a flag spares comparing Peer values for it each time."""
 
 
 @dataclass(slots=True)
@@ -144,7 +153,14 @@ class Raft:
         self.reads: list[PendingRead] = []
         self.follower_reads: dict[int, int] = {}
         """ctx -> read index granted by the leader, waiting until applied reaches it."""
-        self._headers: dict[Peer, Header] = {}
+        self._voter_in: tuple[Config | None, bool] = (None, False)
+        """(a configuration, whether this node is a voter in it): is_voter's last answer."""
+        self._headers: dict[NodeId, Header] = {}
+        """The last header sent to each node (by id, so no Peer is hashed on the hot path)."""
+        self._sources: dict[NodeId, Peer] = {}
+        """The last sender seen of each node id, at its incarnation: step looks a message's
+        sender up rather than building a Peer per message (bounded by the nodes that can
+        reach this Raft at all: the owner checked the cluster and the destination)."""
         self.heartbeat_due_ms = 0
         self.check_quorum_due_ms = 0
         self.election_due_ms = 0
@@ -159,7 +175,12 @@ class Raft:
         return self.log.config()
 
     def is_voter(self, peer: Peer | None = None) -> bool:
-        return (peer or self.me) in self.config.voters
+        config = self.config
+        if peer is not None:
+            return peer in config.voters
+        if config is not self._voter_in[0]:  # asked on every acknowledgement: once per configuration
+            self._voter_in = (config, self.me in config.voters)
+        return self._voter_in[1]
 
     def quorum(self) -> int:
         return len(self.config.voters) // 2 + 1
@@ -202,8 +223,8 @@ class Raft:
 
     def _quorum_active(self) -> bool:
         active = 1 if self.is_voter() else 0
-        for peer, pr in self.progress.items():
-            if pr.recent_active and peer in self.config.voters:
+        for pr in self.progress.values():
+            if pr.recent_active and pr.voter:
                 active += 1
             pr.recent_active = False
         return active >= self.quorum()
@@ -268,8 +289,9 @@ class Raft:
         self.out.role_changed = True
         self.transfer_to = None
         self.progress = {}
+        voters = self.config.voters
         for peer in self._replication_targets():
-            self.progress[peer] = Progress(next=self.log.last_index + 1)
+            self.progress[peer] = Progress(next=self.log.last_index + 1, voter=peer in voters)
         self.check_quorum_due_ms = now_ms + self.settings.election_min_ms
         # Conservatively treat every entry we hold as possibly carrying a config change.
         self.pending_conf_index = self.log.last_index
@@ -330,23 +352,25 @@ class Raft:
 
     def _sync_progress_with_config(self) -> None:
         targets = set(self._replication_targets())
+        voters = self.config.voters
         for peer in list(self.progress):
             if peer not in targets:
                 del self.progress[peer]
         for peer in targets:
             if peer not in self.progress:
                 self.progress[peer] = Progress(next=self.log.last_index)
+            self.progress[peer].voter = peer in voters  # (a promoted learner keeps its progress)
 
     def transfer_leadership(self, target: Peer, now_ms: int) -> bool:
         if self.role is not Role.LEADER or target == self.me or target not in self.config.voters:
             return False
         self.transfer_to = target
         self.transfer_deadline_ms = now_ms + self.settings.election_max_ms
-        pr = self.progress.get(target)
-        if pr is not None and pr.match == self.log.last_index:
+        pr = self.progress[target]  # a voter other than us: a replication target
+        if pr.match == self.log.last_index:
             self._send(target, TimeoutNow(self._hdr(target)))
         else:
-            self._send_append(target, now_ms)
+            self._send_append(target, pr, now_ms)
         return True
 
     def read(self, ctx: int, now_ms: int) -> None:
@@ -372,11 +396,7 @@ class Raft:
     def _check_reads(self) -> None:
         if not self.reads:
             return
-        voters = self.config.voters
-        rounds = sorted(
-            (pr.acked_round for peer, pr in self.progress.items() if peer in voters),
-            reverse=True,
-        )
+        rounds = sorted((pr.acked_round for pr in self.progress.values() if pr.voter), reverse=True)
         if self.is_voter():
             rounds.insert(0, self.read_round)
         confirmed = rounds[self.quorum() - 1] if len(rounds) >= self.quorum() else 0
@@ -407,10 +427,10 @@ class Raft:
 
     def _hdr(self, to: Peer, term: int | None = None) -> Header:
         term = self.term if term is None else term
-        hdr = self._headers.get(to)
-        if hdr is None or hdr.term != term:
+        hdr = self._headers.get(to.node_id)
+        if hdr is None or hdr.term != term or hdr.dst_inc != to.inc:
             # Headers are immutable values; reuse one per peer and term (a hot path).
-            hdr = self._headers[to] = Header(self.cluster, self.me.node_id, self.me.inc, to.node_id, to.inc, term)
+            hdr = self._headers[to.node_id] = Header(self.cluster, self.me.node_id, self.me.inc, to.node_id, to.inc, term)
         return hdr
 
     def _send(self, to: Peer, message: Message) -> None:
@@ -419,7 +439,9 @@ class Raft:
     def step(self, m: Message, now_ms: int) -> None:
         """Handle one Raft message addressed to us (the owner checked cluster and dst_inc)."""
         hdr: Header = m.hdr  # type: ignore[union-attr]
-        src = Peer(hdr.src, hdr.src_inc)
+        src = self._sources.get(hdr.src)
+        if src is None or src.inc != hdr.src_inc:
+            src = self._sources[hdr.src] = Peer(hdr.src, hdr.src_inc)
         if isinstance(m, VoteRequest):
             self._on_vote_request(m, src, now_ms)
             return
@@ -503,8 +525,8 @@ class Raft:
             self.become_follower(self.term, None, now_ms)
 
     def _heard_from_leader(self, src: Peer, now_ms: int) -> None:
-        if self.role is not Role.FOLLOWER or self.leader != src:
-            self.out.role_changed = True
+        if self.role is not Role.FOLLOWER or (self.leader is not src and self.leader != src):
+            self.out.role_changed = True  # (src is the very Peer of the last message from it: see step)
         self.role = Role.FOLLOWER
         self.leader = src
         self.leader_contact_ms = now_ms
@@ -575,13 +597,13 @@ class Raft:
                 pr.match = m.index
                 self._maybe_commit()
             pr.next = max(pr.next, pr.match + 1)
-            if self.transfer_to == src and pr.match == self.log.last_index:
+            if self.transfer_to is not None and self.transfer_to == src and pr.match == self.log.last_index:
                 self._send(src, TimeoutNow(self._hdr(src)))
         else:
             pr.snapshot_sent = False
             pr.next = max(pr.match + 1, min(pr.next - 1, m.index + 1))
         if pr.next <= self.log.last_index:
-            self._send_append(src, now_ms)
+            self._send_append(src, pr, now_ms)
 
     def _on_read_response(self, m: ReadIndexResponse) -> None:
         if m.ctx not in self.follower_reads:
@@ -604,11 +626,10 @@ class Raft:
 
     def broadcast_append(self, now_ms: int, *, heartbeat: bool) -> None:
         self.heartbeat_due_ms = now_ms + self.settings.heartbeat_ms
-        for peer in self.progress:
-            self._send_append(peer, now_ms, heartbeat=heartbeat)
+        for peer, pr in self.progress.items():
+            self._send_append(peer, pr, now_ms, heartbeat=heartbeat)
 
-    def _send_append(self, peer: Peer, now_ms: int, *, heartbeat: bool = False) -> None:
-        pr = self.progress[peer]
+    def _send_append(self, peer: Peer, pr: Progress, now_ms: int, *, heartbeat: bool = False) -> None:
         if not heartbeat and pr.inflight >= self.settings.inflight_appends_max:
             return
         prev = pr.next - 1
@@ -628,9 +649,8 @@ class Raft:
         self._send(peer, AppendEntries(self._hdr(peer), prev, prev_term, entries, commit, self.read_round))
 
     def _maybe_commit(self) -> None:
-        voters = self.config.voters
-        matches = [pr.match for peer, pr in self.progress.items() if peer in voters]
-        if self.me in voters:
+        matches = [pr.match for pr in self.progress.values() if pr.voter]
+        if self.is_voter():
             matches.append(self.log.last_index)
         q = self.quorum()
         if len(matches) < q:
