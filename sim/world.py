@@ -407,29 +407,40 @@ class World:
 
     def converged(self) -> bool:
         """One cluster, one leader everybody follows, all live nodes up-to-date voters."""
-        live = [n for n in self.live_nodes() if not n.paused]
+        # One pass for what live_nodes() and leader() find (scenarios ask after every event).
+        live: list[SimNode] = []
+        leader: SimNode | None = None
+        top = -1
+        for n in self.nodes:
+            if not n.alive or n.left or n.machine is None:
+                continue
+            r = n.machine.raft
+            if r is not None and r.role is Role.LEADER and r.term > top:
+                leader, top = n, r.term
+            if not n.paused:
+                live.append(n)
         if not live:
             return True
-        leader = self.leader()
         if leader is None or leader.paused:
             return False
         lr = leader.machine.raft  # type: ignore[union-attr]
         assert lr is not None
-        live_ids = {n.node_id for n in live}
-        members = {m.node_id: m for m in lr.state.members}
-        if set(members) != live_ids or not all(m.voter and m.up for m in members.values()):
-            return False
         if lr.pending_conf_index > lr.commit:
             return False
+        members = {m.node_id: m for m in lr.state.members}
+        if len(members) != len(live) or not all(m.voter and m.up for m in members.values()):
+            return False
+        me = lr.me
         for n in live:
             m = n.machine
             assert m is not None
             r = m.raft
             if m.mode is not Mode.MEMBER or r is None or r.cluster != lr.cluster:
                 return False
-            if r.leader != lr.me or r.commit != lr.commit or r.term != lr.term:
+            if r.commit != lr.commit or r.term != lr.term or r.leader is None or r.leader.node_id != me.node_id:
                 return False
-            if members[n.node_id].inc != m.inc:
+            member = members.get(n.node_id)
+            if member is None or member.inc != m.inc or r.leader.inc != me.inc:
                 return False
         return True
 
