@@ -378,6 +378,9 @@ class Machine:
         self.probes: tuple[LinkProbe, ...] = ()
         self._ports_sent_ms = -(10**9)
         self._addresses_sent_ms = -(10**9)
+        self._quiet_members: tuple[object, ...] = (None, None, None, 0)
+        """(members, last_heard, leader_since_ms, until_ms): the leader's silence detection
+        found nothing to do for these members, and cannot before until_ms (_detect)."""
         self._ports_current: tuple[object, ...] = (None,) * 6
         """(committed state, incarnation, addresses, caps, ports, probes) when the committed
         member last matched the local facts: nothing to publish while they stay the same."""
@@ -886,14 +889,19 @@ class Machine:
     def _detect(self, now_ms: int, *, config_ok: bool) -> None:
         r = self.raft
         assert r is not None
+        members = r.state.members
+        if (members, self.last_heard, self.leader_since_ms) == self._quiet_members[:3] and now_ms < self._quiet_members[3]:
+            return  # (checked after every input of the leader; last_heard only grows in place)
         s = self.settings
-        for member in r.state.members:
+        silent_max_ms = 0
+        for member in members:
             if member.node_id == self.node_id:
                 if not member.up and member.inc == self.inc:
                     self._propose_once(MarkUp(member.node_id, member.inc), now_ms)  # marked down by a predecessor
                 continue
             heard = self.last_heard.get(member.node_id, self.leader_since_ms)
             silent_ms = now_ms - max(heard, self.leader_since_ms)
+            silent_max_ms = max(silent_max_ms, silent_ms)
             if member.up and silent_ms >= s.down_after_ms:
                 self._propose_once(MarkDown(member.node_id, member.inc), now_ms)
             elif not member.up and silent_ms < s.down_after_ms:
@@ -901,6 +909,10 @@ class Machine:
             elif config_ok and not member.up and silent_ms >= s.remove_after_ms and self._removal_keeps_quorum(member.node_id):
                 if self._propose_once(RemoveMember(member.node_id, member.inc, "unreachable"), now_ms):
                     config_ok = False
+        if silent_max_ms < s.down_after_ms and all(m.up for m in members):
+            # Every member up and none silent for down_after_ms: nothing to propose until the
+            # most silent one gets there, unless the members or what was heard change.
+            self._quiet_members = (members, self.last_heard, self.leader_since_ms, now_ms + s.down_after_ms - silent_max_ms)
 
     def _negotiate_ring(self, now_ms: int) -> None:
         """Propose a new ring epoch when members, cables or addresses changed (leader only)."""
