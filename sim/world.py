@@ -43,6 +43,7 @@ from sim.network import LinkProfile, Network
 
 TIMER, DELIVER, SYNCED, CALL = 0, 1, 2, 3
 FSYNC_US = 200
+_TIMER_FIRED = TimerFired()
 WIRE_CHECK_EVERY = 16
 """The first message of each type in a world, and every 16th message, makes the full trip
 through the wire codec: encoded, decoded with every schema check, and compared with what
@@ -272,7 +273,7 @@ class World:
             if payload != node.gen or self.now_us != node.timer_at:
                 return
             node.timer_at = -1
-            event: Input = TimerFired()
+            event: Input = _TIMER_FIRED
         elif kind == DELIVER:
             src, message = payload
             event = MessageReceived(src, message)

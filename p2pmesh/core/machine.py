@@ -960,12 +960,10 @@ class Machine:
             self._placement_checked_at = (-1, -1)
 
     def _publish_measure(self, now_ms: int) -> None:
-        """Bring this member's committed measurement and worker readiness up to date."""
+        """Bring this member's committed measurement and worker readiness up to date (a
+        member that follows a leader and is not leaving, with something to publish)."""
         r = self.raft
-        if r is None or self.mode is not Mode.MEMBER or self.leaving or r.leader is None:
-            return
-        if self.measure is None and not self.fetched and not self.loaded and not self.crashed:
-            return  # nothing measured or reported by workers: nothing to publish (a hot path)
+        assert r is not None
         mine = find_member(r.state, self.node_id)
         if mine is None or mine.inc != self.inc:
             return
@@ -1019,10 +1017,10 @@ class Machine:
     def _publish_ports(self, now_ms: int) -> None:
         """Bring this member's committed addresses, ports and probe results up to date (any
         role). Peers dial the committed addresses, and LAN hops of the MLX hostfile use them:
-        a Mac that moved to another address must not be left behind at the old one."""
+        a Mac that moved to another address must not be left behind at the old one. (Called
+        for a member that follows a leader and is not leaving.)"""
         r = self.raft
-        if r is None or self.mode is not Mode.MEMBER or self.leaving or r.leader is None:
-            return
+        assert r is not None
         facts = (r.state, self.inc, self.addresses, self.caps, self.ports, self.probes)
         if all(map(operator.is_, facts, self._ports_current)):
             return  # the very objects found up to date last time (this runs after every input)
@@ -1161,8 +1159,10 @@ class Machine:
                 self._inflight = {}
                 self._ring_checked_at = (-1, -1)
             self._leader_duties(now_ms)
-        self._publish_ports(now_ms)
-        self._publish_measure(now_ms)
+        if self.mode is Mode.MEMBER and not self.leaving and r.leader is not None:
+            self._publish_ports(now_ms)
+            if self.measure is not None or self.fetched or self.loaded or self.crashed:
+                self._publish_measure(now_ms)  # (else nothing measured or reported by workers: a hot path)
         if self._healthy(now_ms):
             self.unhealthy_since_ms = None
         elif self.unhealthy_since_ms is None:
