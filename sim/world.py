@@ -3,10 +3,11 @@
 The world plays the agent's driver for every node with the same contract: on each Ready it
 writes the durable part to the node's disk, waits for the fsync (virtual latency), then
 sends the messages through the virtual network, then reports applied entries and reads.
-Messages are checked against the wire codec by sample (``WIRE_CHECK_EVERY``): the sampled
-ones travel as decoded frames, the others as the objects the sender made, which the
-receiving core still checks semantically (MessageReceived). Events are (time_us, seq, ...) in a heap, so ties break by insertion
-order and a run is a pure function of its seed.
+Messages are checked against the wire codec and the receiver's semantic checks by sample
+(``WIRE_CHECK_EVERY``): the sampled ones travel as decoded frames, the others as the objects
+the sender made (MessageReceived, which the receiving core does not check again). Events are
+(time_us, seq, ...) in a heap, so ties break by insertion order and a run is a pure
+function of its seed.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
-from p2pmesh.core import wire
+from p2pmesh.core import validate, wire
 from p2pmesh.core.errors import LocalProtocolError, RemoteProtocolError
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.ids import NodeId
@@ -46,9 +47,11 @@ FSYNC_US = 200
 _TIMER_FIRED = TimerFired()
 WIRE_CHECK_EVERY = 16
 """The first message of each type in a world, and every 16th message, makes the full trip
-through the wire codec: encoded, decoded with every schema check, and compared with what
-the sender made (invariant ``wire-roundtrip``). Decoding every message cost a seventh of
-the simulator's time and checked less: the decoded copy was never compared."""
+through the wire codec: encoded, decoded with every schema check, compared with what the
+sender made, and put through the semantic checks a receiver makes of a decoded frame
+(``validate.problem``; invariant ``wire-roundtrip``). Decoding every message cost a seventh
+of the simulator's time and checked less: the decoded copy was never compared. The others
+skip all three: a correct core makes no message that fails them."""
 
 
 @dataclass(slots=True)
@@ -356,7 +359,8 @@ class World:
 
     def _wire(self, message: Any) -> Any:
         """A sampled message's trip through the codec: encoded, decoded with every schema
-        check, and compared with what was sent; the receivers get the decoded copy."""
+        check, compared with what was sent and checked as a receiver checks a frame; the
+        receivers get the decoded copy."""
         kind = type(message)
         self._wire_types.add(kind)
         self.wire_checked += 1
@@ -366,6 +370,9 @@ class World:
             raise InvariantViolated("wire-roundtrip", f"{kind.__name__} does not survive the codec: {exc}") from None
         if decoded != message:
             raise InvariantViolated("wire-roundtrip", f"{kind.__name__} decodes to a different value")
+        problem = validate.problem(decoded)
+        if problem is not None:
+            raise InvariantViolated("wire-roundtrip", f"{kind.__name__} fails a receiver's checks: {problem}")
         return decoded
 
     def note(self, text: str) -> None:
