@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.machine import Ready
 from p2pmesh.core.messages import CONFIG_COMMANDS, AppendResponse, Entry, MarkDown, Peer, Put, VoteResponse
-from p2pmesh.core.raft import Raft, Role
+from p2pmesh.core.raft import LEADER, Raft
 
 if TYPE_CHECKING:
     from sim.world import SimNode, World
@@ -111,7 +111,7 @@ class Checker:
                 self.entries[key] = e.command
             elif known != e.command:
                 self.fail("log-matching", f"{node.name} holds a different entry at index {e.index} term {e.term}")
-        if r.role is Role.LEADER:
+        if r.role is LEADER:
             self._check_leader(node, r, ready)
 
     def _check_leader(self, node: SimNode, r: Raft, ready: Ready) -> None:
@@ -218,7 +218,7 @@ class Checker:
         if isinstance(cmd, Put):
             if self.puts_pending.pop((node.node_id, cmd.key), None) is not None:
                 self.puts_acked.setdefault(r.cluster, {}).setdefault(cmd.key, self.world.now_us)
-        elif isinstance(cmd, MarkDown) and r.role is Role.LEADER:
+        elif isinstance(cmd, MarkDown) and r.role is LEADER:
             self.markdowns.append((self.world.now_us, cmd.node_id))
             if self.forbid_markdown:
                 self.fail("no-false-down", f"{cmd.node_id[:8]} marked down although it never went silent")

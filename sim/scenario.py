@@ -18,7 +18,7 @@ from typing import TextIO
 
 from p2pmesh.core.machine import Machine, Ready
 from p2pmesh.core.messages import MarkDown, Promote
-from p2pmesh.core.raft import Role
+from p2pmesh.core.raft import LEADER
 from p2pmesh.core.settings import Settings
 from sim.checks import InvariantViolated
 from sim.faults import Fault, schedule
@@ -64,7 +64,7 @@ class _Metrics:
 
     def observe(self, node: SimNode, ready: Ready) -> None:
         m = node.machine
-        if m is None or m.raft is None or m.raft.role is not Role.LEADER or not ready.applied:
+        if m is None or m.raft is None or m.raft.role is not LEADER or not ready.applied:
             return
         r = m.raft
         now = self.world.now_us

@@ -26,7 +26,7 @@ from p2pmesh.core.machine import (
     LeaveRequested,
     Machine,
     MessageReceived,
-    Mode,
+    MEMBER,
     PeerDiscovered,
     PortsObserved,
     ProposalRequested,
@@ -35,7 +35,7 @@ from p2pmesh.core.machine import (
     TimerFired,
 )
 from p2pmesh.core.messages import Capabilities, Put
-from p2pmesh.core.raft import Role
+from p2pmesh.core.raft import LEADER
 from p2pmesh.core.settings import Settings
 from sim.cabling import Cabling, SimCable
 from sim.checks import Checker, InvariantViolated
@@ -398,7 +398,7 @@ class World:
         best: SimNode | None = None
         for n in self.live_nodes():
             r = n.machine.raft if n.machine else None
-            if r is not None and r.role is Role.LEADER and (best is None or r.term > best.machine.raft.term):  # type: ignore[union-attr]
+            if r is not None and r.role is LEADER and (best is None or r.term > best.machine.raft.term):  # type: ignore[union-attr]
                 best = n
         return best
 
@@ -423,7 +423,7 @@ class World:
             if not n.alive or n.left or n.machine is None:
                 continue
             r = n.machine.raft
-            if r is not None and r.role is Role.LEADER and r.term > top:
+            if r is not None and r.role is LEADER and r.term > top:
                 leader, top = n, r.term
             if not n.paused:
                 live.append(n)
@@ -443,7 +443,7 @@ class World:
             m = n.machine
             assert m is not None
             r = m.raft
-            if m.mode is not Mode.MEMBER or r is None or r.cluster != lr.cluster:
+            if m.mode is not MEMBER or r is None or r.cluster != lr.cluster:
                 return False
             if r.commit != lr.commit or r.term != lr.term or r.leader is None or r.leader.node_id != me.node_id:
                 return False

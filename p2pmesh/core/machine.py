@@ -73,7 +73,7 @@ from p2pmesh.core.messages import (
     WorkerFault,
     WorkerReady,
 )
-from p2pmesh.core.raft import HardState, Raft, RaftOutput, Role
+from p2pmesh.core.raft import LEADER, HardState, Raft, RaftOutput
 from p2pmesh.core.serving import ClientEvent, GenerateParams, Router, WorkerSubmit
 from p2pmesh.core.settings import Settings
 from p2pmesh.core import dataplane, physical, validate, wire
@@ -92,6 +92,10 @@ class Mode(enum.Enum):
     UNFORMED = "unformed"
     MEMBER = "member"
     LEFT = "left"
+
+
+UNFORMED, MEMBER, LEFT = Mode.UNFORMED, Mode.MEMBER, Mode.LEFT
+"""The modes as module constants, compared with on every input (see raft.LEADER)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -352,7 +356,7 @@ class Machine:
         self.rng = rng
         self.addresses = addresses
         self.caps = caps
-        self.mode = Mode.UNFORMED
+        self.mode = UNFORMED
         self.inc = self._new_inc()
         self.raft: Raft | None = None
         self.started_ms = now_ms
@@ -436,7 +440,7 @@ class Machine:
             m._persist_hard()
         else:
             m.inc = persisted.hard.inc
-            m.mode = Mode.MEMBER
+            m.mode = MEMBER
             log = RaftLog(persisted.snapshot, list(persisted.entries))
             hard = HardState(persisted.hard.term, persisted.hard.vote)
             m.raft = m._new_raft(persisted.hard.cluster, hard, log, now_ms)
@@ -470,13 +474,13 @@ class Machine:
 
     def status(self) -> Status:
         r = self.raft
-        role = "unformed" if self.mode is Mode.UNFORMED else "left" if self.mode is Mode.LEFT else "joining"
+        role = "unformed" if self.mode is UNFORMED else "left" if self.mode is LEFT else "joining"
         if r is not None:
             if r.is_voter():
                 role = r.role.value
             elif self.me in r.config.learners:
                 role = "learner"
-            if len(r.config.voters) == 1 and r.is_voter() and r.role is Role.LEADER:
+            if len(r.config.voters) == 1 and r.is_voter() and r.role is LEADER:
                 role = "standalone"
         return Status(
             node_id=self.node_id,
@@ -499,9 +503,9 @@ class Machine:
 
     def _healthy(self, now_ms: int) -> bool:
         r = self.raft
-        if r is None or self.mode is not Mode.MEMBER:
+        if r is None or self.mode is not MEMBER:
             return False
-        if r.role is Role.LEADER:
+        if r.role is LEADER:
             return True
         return r.leader is not None and r.leader_contact_ms is not None and now_ms - r.leader_contact_ms <= self.settings.election_max_ms
 
@@ -510,7 +514,7 @@ class Machine:
 
     def handle(self, event: Input, now_ms: int) -> Ready:
         self.now_ms = now_ms
-        if self.mode is Mode.LEFT:
+        if self.mode is LEFT:
             return self._take_ready()
         if isinstance(event, FrameReceived):
             self._on_frame(event, now_ms)
@@ -648,7 +652,7 @@ class Machine:
 
     def _hello(self, now_ms: int) -> Hello:
         r = self.raft
-        members = len(r.state.members) if r is not None and self.mode is Mode.MEMBER else 0
+        members = len(r.state.members) if r is not None and self.mode is MEMBER else 0
         leader = r.leader.node_id if r is not None and r.leader is not None else None
         return Hello(self.node_id, self.inc, self.cluster, members, self._healthy(now_ms), leader, self.addresses, self.caps)
 
@@ -694,7 +698,7 @@ class Machine:
         if self.leaving:
             return
         best = self._best_foreign_cluster(now_ms)
-        if self.mode is Mode.UNFORMED:
+        if self.mode is UNFORMED:
             if best is not None:
                 self._join(best, now_ms)
             elif now_ms - self.started_ms >= self.settings.formation_wait_ms and self._lowest_unformed(now_ms):
@@ -750,7 +754,7 @@ class Machine:
         self.raft = self._new_raft(cluster, HardState(1, me), log, now_ms)
         self.raft.commit = len(entries)
         self.raft._apply_committed()
-        self.mode = Mode.MEMBER
+        self.mode = MEMBER
         self.joining = None
         self.unhealthy_since_ms = now_ms
         self._persist_switch(base)
@@ -763,7 +767,7 @@ class Machine:
         self._reset_identity()
         base = Snapshot(0, 0, Config((), ()), empty_state(target.cluster))
         self.raft = self._new_raft(target.cluster, HardState(0, None), RaftLog(base), now_ms)
-        self.mode = Mode.MEMBER
+        self.mode = MEMBER
         self.joining = target.src
         self.join_started_ms = now_ms
         self.unhealthy_since_ms = now_ms
@@ -780,7 +784,7 @@ class Machine:
     def _become_unformed(self, now_ms: int, reason: str) -> None:
         self._reset_identity()
         self.raft = None
-        self.mode = Mode.UNFORMED
+        self.mode = UNFORMED
         self.joining = None
         self.started_ms = now_ms
         self.ready.events.append(ClusterEvent("unformed", reason))
@@ -821,7 +825,7 @@ class Machine:
         if r is None or j.cluster != r.cluster:
             self.ready.messages.append((j.src, JoinReply(self.node_id, self.cluster or ClusterId(""), False, None)))
             return
-        if r.role is not Role.LEADER:
+        if r.role is not LEADER:
             hint = r.leader.node_id if r.leader is not None else None
             self.ready.messages.append((j.src, JoinReply(self.node_id, r.cluster, False, hint)))
             return
@@ -875,7 +879,7 @@ class Machine:
 
     def _leader_duties(self, now_ms: int) -> None:
         r = self.raft
-        assert r is not None and r.role is Role.LEADER
+        assert r is not None and r.role is LEADER
         self._negotiate_ring(now_ms)
         self._negotiate_placement(now_ms)
         if not r.config_change_allowed() or r.transfer_to is not None:
@@ -998,7 +1002,7 @@ class Machine:
     def _route(self, now_ms: int) -> None:
         """Move inference requests along (core/serving.py) and collect their effects."""
         r = self.raft
-        state = r.state if r is not None and self.mode is Mode.MEMBER else None
+        state = r.state if r is not None and self.mode is MEMBER else None
         head = dataplane.head(state) if state is not None else None
         epoch = state.active_epoch if state is not None else 0
         self.router.tick(state, head, epoch, now_ms)
@@ -1063,14 +1067,14 @@ class Machine:
         r = self.raft
         if r is None or validate.command_problem(command) is not None:
             return
-        if r.role is Role.LEADER:
+        if r.role is LEADER:
             r.propose(command, now_ms)
         elif r.leader is not None:
             self.ready.messages.append((r.leader.node_id, ForwardProposal(r._hdr(r.leader), command)))
 
     def _drive_leave(self, now_ms: int) -> None:
         r = self.raft
-        if r is None or self.mode is not Mode.MEMBER:
+        if r is None or self.mode is not MEMBER:
             self._finish_leave()
             return
         if now_ms >= self.leave_deadline_ms:
@@ -1091,9 +1095,9 @@ class Machine:
             # configuration. The leader's RemovalNotice (sent when the removal commits) or
             # applying the removal ourselves ends the leave; the deadline bounds the wait.
             # (A leader outside its own configuration was the last voter: nobody confirms.)
-            if r.role is not Role.LEADER and any(m.node_id == self.node_id and m.inc == self.inc for m in r.state.members):
+            if r.role is not LEADER and any(m.node_id == self.node_id and m.inc == self.inc for m in r.state.members):
                 return
-            self._finish_leave(confirmed=r.role is not Role.LEADER)
+            self._finish_leave(confirmed=r.role is not LEADER)
             return
         if len(r.config.voters) <= 1 and not r.config.learners:
             self._finish_leave()
@@ -1104,7 +1108,7 @@ class Machine:
             if self.node_id not in r.state.draining:
                 self._propose(Drain(self.node_id, self.inc), now_ms)
             return
-        if r.role is Role.LEADER:
+        if r.role is LEADER:
             others = [p for p in r.config.voters if p != self.me]
             if others and r.transfer_to is None:
                 best = max(others, key=lambda p: (r.progress[p].match if p in r.progress else -1, p.node_id))
@@ -1118,13 +1122,13 @@ class Machine:
     def _holds_layers(self) -> bool:
         """Whether the serving or the pending placement gives this node model layers."""
         r = self.raft
-        if r is None or self.mode is not Mode.MEMBER:
+        if r is None or self.mode is not MEMBER:
             return False
         return any(s.node_id == self.node_id for s in (*r.state.active, *r.state.placement))
 
     def _finish_leave(self, *, confirmed: bool = False) -> None:
         self.leave_confirmed = confirmed
-        self.mode = Mode.LEFT
+        self.mode = LEFT
         self.ready.left = True
         self.ready.events.append(ClusterEvent("left cluster", self.cluster or "-"))
 
@@ -1156,13 +1160,13 @@ class Machine:
         r = self.raft
         if r is None:
             return
-        if r.role is Role.LEADER:
+        if r.role is LEADER:
             if self._last_leader != self.node_id:
                 self.leader_since_ms = now_ms
                 self._inflight = {}
                 self._ring_checked_at = (-1, -1)
             self._leader_duties(now_ms)
-        if self.mode is Mode.MEMBER and not self.leaving and r.leader is not None:
+        if self.mode is MEMBER and not self.leaving and r.leader is not None:
             self._publish_ports(now_ms)
             if self.measure is not None or self.fetched or self.loaded or self.crashed:
                 self._publish_measure(now_ms)  # (else nothing measured or reported by workers: a hot path)
@@ -1182,7 +1186,7 @@ class Machine:
                 self.ready.events.append(ClusterEvent("leader elected", f"{leader} term {r.term}"))
         if self.leaving and applied:
             self._drive_leave(now_ms)
-        if applied and self.mode is Mode.MEMBER and not self.leaving and self._removed_in(applied):
+        if applied and self.mode is MEMBER and not self.leaving and self._removed_in(applied):
             self._become_unformed(now_ms, "removed from the cluster")
 
     def _removed_in(self, applied: list[Entry]) -> bool:
@@ -1211,7 +1215,7 @@ class Machine:
             ready.log_entries = tuple(r.log.entries[max(0, ready.log_truncate_from - r.log.first_index) :])
         for entry in out.applied:
             cmd = entry.command
-            if isinstance(cmd, RemoveMember) and r.role is Role.LEADER and cmd.node_id != self.node_id:
+            if isinstance(cmd, RemoveMember) and r.role is LEADER and cmd.node_id != self.node_id:
                 ready.messages.append((cmd.node_id, RemovalNotice(self.node_id, r.cluster, cmd.node_id, cmd.inc)))
             if isinstance(cmd, (AddLearner, Promote, RemoveMember, MarkDown, MarkUp)):
                 ready.events.append(ClusterEvent(_EVENT_NAMES[type(cmd)], cmd.node_id))
