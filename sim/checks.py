@@ -109,7 +109,7 @@ class Checker:
             known = self.entries.get(key)
             if known is None:
                 self.entries[key] = e.command
-            elif known != e.command:
+            elif known is not e.command and known != e.command:  # (usually the very object: messages travel as objects)
                 self.fail("log-matching", f"{node.name} holds a different entry at index {e.index} term {e.term}")
         if r.role is LEADER:
             self._check_leader(node, r, ready)

@@ -1148,11 +1148,14 @@ class Machine:
     def _greet(self, now_ms: int) -> None:
         """Hello every known peer that is not a current cluster-mate (mates hear Raft)."""
         r = self.raft
-        members = set((*r.config.voters, *r.config.learners)) if r else set()
-        hello = self._hello(now_ms)
+        # (node id, incarnation) pairs, not Peers: hashing a Peer is a Python-level call.
+        mates = {(p.node_id, p.inc) for p in (*r.config.voters, *r.config.learners)} if r else set()
+        hello: Hello | None = None  # made for the first peer that needs one (often none does)
         for node_id, info in self.peers.items():
-            if info.mate is not None and info.mate in members:
+            if info.mate is not None and (info.mate.node_id, info.mate.inc) in mates:
                 continue
+            if hello is None:
+                hello = self._hello(now_ms)
             info.replied_ms = now_ms
             self.ready.messages.append((node_id, hello))
 
