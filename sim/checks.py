@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.machine import Ready
-from p2pmesh.core.messages import CONFIG_COMMANDS, AppendResponse, Entry, MarkDown, Peer, Put, VoteResponse
+from p2pmesh.core.messages import CONFIG_COMMANDS, AppendResponse, Entry, MarkDown, Peer, Put, VoteRequest, VoteResponse
 from p2pmesh.core.raft import LEADER, Raft
 
 if TYPE_CHECKING:
@@ -166,17 +166,20 @@ class Checker:
         for _, msg in ready.messages:
             # The persistence contract: what a message asserts is on synced disk first.
             hdr = getattr(msg, "hdr", None)
-            if hdr is None or getattr(msg, "prevote", False):
+            if hdr is None:
+                continue
+            kind = type(msg)
+            if (kind is VoteRequest or kind is VoteResponse) and msg.prevote:
                 continue  # pre-votes name a term the sender has not (and need not) adopt
             term = hdr.term
             if hard is None or hard.term < term:
                 self.fail("persist-before-send", f"{node.name} sent term {term} before persisting it")
-            if type(msg) is AppendResponse:
+            granted = kind is VoteResponse and msg.granted
+            if kind is AppendResponse:
                 if msg.success and msg.index > 0 and synced.entry_term(msg.index) is None:
                     self.fail("persist-before-send", f"{node.name} acknowledged index {msg.index} before persisting it")
-            elif type(msg) is VoteResponse and msg.granted:
-                if hard.term != term or hard.vote is None or hard.vote.node_id != hdr.dst:
-                    self.fail("persist-before-send", f"{node.name} granted a vote in term {term} before persisting it")
+            elif granted and (hard.term != term or hard.vote is None or hard.vote.node_id != hdr.dst):
+                self.fail("persist-before-send", f"{node.name} granted a vote in term {term} before persisting it")
             if hdr.src_inc != seen_inc:  # a Ready's messages come from one incarnation
                 seen_inc = hdr.src_inc
                 seen = self.sent_hard.get((node.node_id, seen_inc))
@@ -185,7 +188,7 @@ class Checker:
             assert seen is not None
             if term > seen.term:
                 seen.term = term
-            if type(msg) is VoteResponse and msg.granted:
+            if granted:
                 seen.votes[term] = hdr.dst
         if produced is None:
             return

@@ -897,7 +897,8 @@ class Machine:
         r = self.raft
         assert r is not None
         members = r.state.members
-        if (members, self.last_heard, self.leader_since_ms) == self._quiet_members[:3] and now_ms < self._quiet_members[3]:
+        quiet = self._quiet_members
+        if members is quiet[0] and self.last_heard is quiet[1] and self.leader_since_ms == quiet[2] and now_ms < quiet[3]:
             return  # (checked after every input of the leader; last_heard only grows in place)
         s = self.settings
         silent_max_ms = 0

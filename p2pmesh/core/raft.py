@@ -166,7 +166,9 @@ class Raft:
         self._sources: dict[NodeId, Peer] = {}
         """The last sender seen of each node id, at its incarnation: step looks a message's
         sender up rather than building a Peer per message (bounded by the nodes that can
-        reach this Raft at all: the owner checked the cluster and the destination)."""
+        reach this Raft at all: the owner checked the cluster and the destination). A
+        leader puts its progress keys here, so looking a sender's progress up finds the
+        very object and compares no Peer values."""
         self.heartbeat_due_ms = 0
         self.check_quorum_due_ms = 0
         self.election_due_ms = 0
@@ -298,6 +300,7 @@ class Raft:
         voters = self.config.voters
         for peer in self._replication_targets():
             self.progress[peer] = Progress(next=self.log.last_index + 1, voter=peer in voters)
+        self._sources.update((peer.node_id, peer) for peer in self.progress)  # (see _sources)
         self.check_quorum_due_ms = now_ms + self.settings.election_min_ms
         # Conservatively treat every entry we hold as possibly carrying a config change.
         self.pending_conf_index = self.log.last_index
@@ -366,6 +369,7 @@ class Raft:
             if peer not in self.progress:
                 self.progress[peer] = Progress(next=self.log.last_index)
             self.progress[peer].voter = peer in voters  # (a promoted learner keeps its progress)
+        self._sources.update((peer.node_id, peer) for peer in self.progress)
 
     def transfer_leadership(self, target: Peer, now_ms: int) -> bool:
         if self.role is not LEADER or target == self.me or target not in self.config.voters:
