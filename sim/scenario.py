@@ -64,7 +64,7 @@ class _Metrics:
 
     def observe(self, node: SimNode, ready: Ready) -> None:
         m = node.machine
-        if m is None or m.raft is None or m.raft.role is not LEADER or not ready.applied:
+        if not ready.applied or m is None or m.raft is None or m.raft.role is not LEADER:
             return
         r = m.raft
         now = self.world.now_us
