@@ -24,15 +24,22 @@ A violation raises InvariantViolated carrying the name of the invariant.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.machine import Ready
 from p2pmesh.core.messages import CONFIG_COMMANDS, AppendResponse, Entry, MarkDown, Peer, Put, VoteRequest, VoteResponse
 from p2pmesh.core.raft import LEADER, Raft
 
-if TYPE_CHECKING:
-    from sim.world import SimNode, World
+from sim.node import SimNode
+
+
+class WorldView(Protocol):
+    """What the checker reads of the world (sim/world.py's World): its virtual clock and its
+    nodes by id (their disks, to judge what is durable where)."""
+
+    now_us: int
+    by_id: dict[NodeId, SimNode]
 
 
 class InvariantViolated(AssertionError):
@@ -49,7 +56,7 @@ class _HardSeen:
 
 
 class Checker:
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: WorldView) -> None:
         self.world = world
         self.leaders: dict[tuple[ClusterId, int], NodeId] = {}
         self.entries: dict[tuple[ClusterId, int, int], object] = {}

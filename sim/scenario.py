@@ -23,7 +23,8 @@ from p2pmesh.core.settings import Settings
 from sim.checks import InvariantViolated
 from sim.faults import Fault, schedule
 from sim.network import LinkProfile
-from sim.world import SimNode, World
+from sim.node import SimNode
+from sim.world import World
 
 FORMATION_BOUND_US = 5_000_000
 FAILOVER_BOUND_US = 5_000_000

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import random
-from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
 from p2pmesh.core import validate, wire
@@ -41,6 +40,7 @@ from sim.cabling import Cabling, SimCable
 from sim.checks import Checker, InvariantViolated
 from sim.disk import SimDisk
 from sim.network import LinkProfile, Network
+from sim.node import SimNode
 
 TIMER, DELIVER, SYNCED, CALL = 0, 1, 2, 3
 FSYNC_US = 200
@@ -52,27 +52,6 @@ sender made, and put through the semantic checks a receiver makes of a decoded f
 (``validate.problem``; invariant ``wire-roundtrip``). Decoding every message cost a seventh
 of the simulator's time and checked less: the decoded copy was never compared. The others
 skip all three: a correct core makes no message that fails them."""
-
-
-@dataclass(slots=True)
-class SimNode:
-    index: int
-    node_id: NodeId
-    disk: SimDisk
-    caps: Capabilities
-    machine: Machine | None = None
-    alive: bool = False
-    paused: bool = False
-    left: bool = False
-    gen: int = 0
-    timer_at: int = -1
-    disk_free_at: int = 0
-    deferred: list[tuple[int, Any]] = field(default_factory=list)
-    booted_us: int = 0
-
-    @property
-    def name(self) -> str:
-        return f"n{self.index}"
 
 
 class World:
