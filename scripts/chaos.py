@@ -71,18 +71,8 @@ from sim.chaos_schedule import (  # noqa: E402
     ScheduleError,
     draw,
 )
-from sim.history import (  # noqa: E402
-    DETAILS_PER_INVARIANT_MAX,
-    Ack,
-    EndState,
-    History,
-    LogSample,
-    MemberView,
-    ReadOp,
-    Verdict,
-    Violation,
-    judge,
-)
+from sim.history import DETAILS_PER_INVARIANT_MAX, EndState, History, Verdict, judge  # noqa: E402
+from sim.observations import Ack, LogSample, MemberView, ReadOp, Violation  # noqa: E402
 from tests.agent.harness import AgentProc  # noqa: E402
 from tests.agent.netns import Bench  # noqa: E402
 

@@ -45,8 +45,10 @@ from sim.chaos_schedule import (
 )
 from sim.checks import Checker, InvariantViolated
 from sim.disk import SimDisk
-from sim.history import Ack, EndState, History, LogSample, MemberView, ReadOp, Verdict, Violation, judge
-from sim.world import SimNode, World
+from sim.history import EndState, History, Verdict, judge
+from sim.node import SimNode
+from sim.observations import Ack, LogSample, MemberView, ReadOp, Violation
+from sim.world import World
 
 US = 1_000_000
 READ_TIMEOUT_S = 5.0

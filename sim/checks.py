@@ -24,15 +24,22 @@ A violation raises InvariantViolated carrying the name of the invariant.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.machine import Ready
-from p2pmesh.core.messages import CONFIG_COMMANDS, AppendResponse, Entry, MarkDown, Peer, Put, VoteResponse
-from p2pmesh.core.raft import Raft, Role
+from p2pmesh.core.messages import CONFIG_COMMANDS, AppendResponse, Entry, MarkDown, Peer, Put, VoteRequest, VoteResponse
+from p2pmesh.core.raft import LEADER, Raft
 
-if TYPE_CHECKING:
-    from sim.world import SimNode, World
+from sim.node import SimNode
+
+
+class WorldView(Protocol):
+    """What the checker reads of the world (sim/world.py's World): its virtual clock and its
+    nodes by id (their disks, to judge what is durable where)."""
+
+    now_us: int
+    by_id: dict[NodeId, SimNode]
 
 
 class InvariantViolated(AssertionError):
@@ -49,7 +56,7 @@ class _HardSeen:
 
 
 class Checker:
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: WorldView) -> None:
         self.world = world
         self.leaders: dict[tuple[ClusterId, int], NodeId] = {}
         self.entries: dict[tuple[ClusterId, int, int], object] = {}
@@ -109,9 +116,9 @@ class Checker:
             known = self.entries.get(key)
             if known is None:
                 self.entries[key] = e.command
-            elif known != e.command:
+            elif known is not e.command and known != e.command:  # (usually the very object: messages travel as objects)
                 self.fail("log-matching", f"{node.name} holds a different entry at index {e.index} term {e.term}")
-        if r.role is Role.LEADER:
+        if r.role is LEADER:
             self._check_leader(node, r, ready)
 
     def _check_leader(self, node: SimNode, r: Raft, ready: Ready) -> None:
@@ -166,17 +173,20 @@ class Checker:
         for _, msg in ready.messages:
             # The persistence contract: what a message asserts is on synced disk first.
             hdr = getattr(msg, "hdr", None)
-            if hdr is None or getattr(msg, "prevote", False):
+            if hdr is None:
+                continue
+            kind = type(msg)
+            if (kind is VoteRequest or kind is VoteResponse) and msg.prevote:
                 continue  # pre-votes name a term the sender has not (and need not) adopt
             term = hdr.term
             if hard is None or hard.term < term:
                 self.fail("persist-before-send", f"{node.name} sent term {term} before persisting it")
-            if type(msg) is AppendResponse:
+            granted = kind is VoteResponse and msg.granted
+            if kind is AppendResponse:
                 if msg.success and msg.index > 0 and synced.entry_term(msg.index) is None:
                     self.fail("persist-before-send", f"{node.name} acknowledged index {msg.index} before persisting it")
-            elif type(msg) is VoteResponse and msg.granted:
-                if hard.term != term or hard.vote is None or hard.vote.node_id != hdr.dst:
-                    self.fail("persist-before-send", f"{node.name} granted a vote in term {term} before persisting it")
+            elif granted and (hard.term != term or hard.vote is None or hard.vote.node_id != hdr.dst):
+                self.fail("persist-before-send", f"{node.name} granted a vote in term {term} before persisting it")
             if hdr.src_inc != seen_inc:  # a Ready's messages come from one incarnation
                 seen_inc = hdr.src_inc
                 seen = self.sent_hard.get((node.node_id, seen_inc))
@@ -185,7 +195,7 @@ class Checker:
             assert seen is not None
             if term > seen.term:
                 seen.term = term
-            if type(msg) is VoteResponse and msg.granted:
+            if granted:
                 seen.votes[term] = hdr.dst
         if produced is None:
             return
@@ -218,7 +228,7 @@ class Checker:
         if isinstance(cmd, Put):
             if self.puts_pending.pop((node.node_id, cmd.key), None) is not None:
                 self.puts_acked.setdefault(r.cluster, {}).setdefault(cmd.key, self.world.now_us)
-        elif isinstance(cmd, MarkDown) and r.role is Role.LEADER:
+        elif isinstance(cmd, MarkDown) and r.role is LEADER:
             self.markdowns.append((self.world.now_us, cmd.node_id))
             if self.forbid_markdown:
                 self.fail("no-false-down", f"{cmd.node_id[:8]} marked down although it never went silent")

@@ -37,7 +37,8 @@ from p2pmesh.core.ids import NodeId
 from p2pmesh.core.machine import Mode, Ready, StageFilesFetched, WorkerCrashed, WorkerLoaded, WorkerOutput
 from p2pmesh.core.messages import Stage
 from p2pmesh.core.serving import GenerateParams, WorkerSubmit
-from sim.world import SimNode, World
+from sim.node import SimNode
+from sim.world import World
 
 VOCAB = 5000
 EOS = 0

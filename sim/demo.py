@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 from p2pmesh.core.machine import Ready
 from p2pmesh.core.raft import Role
+from sim.node import SimNode
 from sim.scenario import SIM_SETTINGS
-from sim.world import SimNode, World
+from sim.world import World
 
 STEP_BOUND_US = 5_000_000
 

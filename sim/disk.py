@@ -58,7 +58,8 @@ class SimDisk:
     def __init__(self) -> None:
         self.synced = _Image()
         self.written = _Image()
-        self.pending: list[Ready] = []
+        self.pending: list[tuple[Ready, bool]] = []
+        """Readies written and not yet synced, in order, each with whether it has a durable part."""
         self.writes = 0
         self.retired: dict[int, _Image] = {}
         """Synced images of earlier incarnations (abandoned logs and wiped disks), kept so
@@ -70,16 +71,17 @@ class SimDisk:
 
     def write(self, ready: Ready) -> None:
         """Queue a Ready in order; its durable part (if any) reaches the page cache now."""
-        if self.has_durable_part(ready):
+        durable = self.has_durable_part(ready)
+        if durable:
             self.written.write(ready)
             self.writes += 1
-        self.pending.append(ready)
+        self.pending.append((ready, durable))
 
     def sync(self, through: Ready | None = None) -> None:
         """Make writes durable, in order, up to and including ``through`` (all if None)."""
         done = 0
-        for ready in self.pending:
-            if self.has_durable_part(ready):
+        for ready, durable in self.pending:
+            if durable:
                 old = self.synced.hard
                 if old is not None and ready.hard is not None and ready.hard.inc != old.inc:
                     self.retired[old.inc] = self.synced.copy()

@@ -1,23 +1,20 @@
 """The history of a chaos run and its verdict, the same for real agents and the simulator.
 
-Both sides record the same things, on their own clock (seconds since the fault phase
-started; wall time for scripts/chaos.py, virtual time for sim/chaos_scenario.py):
-
-- ``ReadOp``: a client's membership read: when it was invoked and when it completed, and
-  either the committed membership it returned (``MemberView``), a clear error, or, when it
-  was neither, what was wrong (``unclear``);
-- ``Ack``: a write acknowledged to its client: a confirmed graceful leave (the leaver
-  applied its own removal at ``index``);
-- ``LogSample``: what one process reported as committed at one moment: its commit index
-  and committed entries as (index, term, digest) over a window.
+Both sides record the same things (sim/observations.py: reads, acknowledged writes, log
+samples), on their own clock (seconds since the fault phase started; wall time for
+scripts/chaos.py, virtual time for sim/chaos_scenario.py), into a ``History``.
 
 ``judge`` turns a history and the end state into a ``Verdict``: the names of the violated
-invariants (``INVARIANTS``), empty when the run passed. Pure: no I/O.
+invariants (``INVARIANTS``), empty when the run passed; the reads are judged by
+sim/linearizability.py. Pure: no I/O.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+
+from sim.linearizability import check_reads
+from sim.observations import Ack, LogSample, MemberView, ReadOp, Violation
 
 INVARIANTS = (
     "log-divergence",  # one (cluster, index) reported with two different (term, digest)
@@ -34,47 +31,6 @@ INVARIANTS = (
 """The chaos verdict's vocabulary. The simulator adds the invariants of sim/checks.py it
 checks on every event (election-safety, committed-is-durable, ...), which real processes
 cannot observe."""
-
-
-@dataclass(frozen=True, slots=True)
-class MemberView:
-    cluster: str
-    index: int
-    """The reader's applied index when it answered: the register's version."""
-    members: frozenset[tuple[str, int, bool, bool]]
-    """(node id, incarnation, voter, up) of every member."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReadOp:
-    host: int
-    invoke_s: float
-    complete_s: float
-    view: MemberView | None = None
-    error: str | None = None
-    unclear: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Ack:
-    at_s: float
-    cluster: str
-    index: int
-    removed: tuple[str, int] | None = None
-    """The (node id, incarnation) whose removal was acknowledged."""
-
-
-@dataclass(frozen=True, slots=True)
-class LogSample:
-    at_s: float
-    host: int
-    proc: int
-    """The process (pid; in the simulator the boot generation): commit only grows within one."""
-    cluster: str
-    inc: int
-    """The incarnation: a fresh one (a merge, a rejoin) starts a new log, from commit 0."""
-    commit: int
-    entries: tuple[tuple[int, int, str], ...] = ()
 
 
 @dataclass(slots=True)
@@ -119,12 +75,6 @@ class History:
             "log_samples": len(self.samples),
             "entries_seen": len({(s.cluster, e[0]) for s in self.samples for e in s.entries}),
         }
-
-
-@dataclass(frozen=True, slots=True)
-class Violation:
-    invariant: str
-    detail: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,8 +154,6 @@ def check_requests(history: History) -> list[Violation]:
 
 def judge(history: History, end: EndState) -> Verdict:
     """Every check of the history and the end state; at most a few details per invariant."""
-    from sim.linearizability import check_reads
-
     found = [*check_log(history.samples), *check_reads(history.reads, history.acks, history.samples),
              *check_requests(history), *check_end(history, end)]
     kept: list[Violation] = []

@@ -2,7 +2,7 @@
 
 The register is a cluster's committed state, read through the control op ``members``. Every
 committed entry is a write, and every read answers a version: the reader's applied index
-(sim/history.py ``MemberView``). Because each answer names its version, linearizability
+(sim/observations.py ``MemberView``). Because each answer names its version, linearizability
 needs no search over interleavings (what Knossos or Porcupine do for registers whose values
 carry no version); it comes down to three checks, per cluster (a standalone or merged
 cluster is another register: its reads name another cluster id):
@@ -21,7 +21,7 @@ Times are compared strictly: an event at the very instant a read was invoked is 
 """
 from __future__ import annotations
 
-from sim.history import Ack, LogSample, ReadOp, Violation
+from sim.observations import Ack, LogSample, ReadOp, Violation
 
 _START, _DONE = 0, 1
 """At equal times a read's start sorts before any completion: only what finished strictly

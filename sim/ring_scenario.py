@@ -22,8 +22,9 @@ from p2pmesh.core.messages import SetRing
 from p2pmesh.core.ring import Link, solve
 from sim.cabling import TB_GBPS
 from sim.checks import InvariantViolated
+from sim.node import SimNode
 from sim.scenario import SIM_SETTINGS
-from sim.world import SimNode, World
+from sim.world import World
 
 FORMATION_BOUND_US = 5_000_000
 SETTLE_BOUND_US = 1_000_000

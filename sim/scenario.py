@@ -18,12 +18,13 @@ from typing import TextIO
 
 from p2pmesh.core.machine import Machine, Ready
 from p2pmesh.core.messages import MarkDown, Promote
-from p2pmesh.core.raft import Role
+from p2pmesh.core.raft import LEADER
 from p2pmesh.core.settings import Settings
 from sim.checks import InvariantViolated
 from sim.faults import Fault, schedule
 from sim.network import LinkProfile
-from sim.world import SimNode, World
+from sim.node import SimNode
+from sim.world import World
 
 FORMATION_BOUND_US = 5_000_000
 FAILOVER_BOUND_US = 5_000_000
@@ -64,7 +65,7 @@ class _Metrics:
 
     def observe(self, node: SimNode, ready: Ready) -> None:
         m = node.machine
-        if m is None or m.raft is None or m.raft.role is not Role.LEADER or not ready.applied:
+        if not ready.applied or m is None or m.raft is None or m.raft.role is not LEADER:
             return
         r = m.raft
         now = self.world.now_us

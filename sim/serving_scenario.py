@@ -63,8 +63,9 @@ from p2pmesh.core.messages import (
 from p2pmesh.core.serving import STALL_MS, ClientEvent, GenerateParams
 from sim.checks import InvariantViolated
 from sim.dataplane import OK, DataPlane, expected_output, tokenize
+from sim.node import SimNode
 from sim.scenario import SIM_SETTINGS
-from sim.world import SimNode, World
+from sim.world import World
 
 FORMATION_BOUND_US = 5_000_000
 SERVING_BOUND_US = 10_000_000

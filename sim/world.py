@@ -3,20 +3,20 @@
 The world plays the agent's driver for every node with the same contract: on each Ready it
 writes the durable part to the node's disk, waits for the fsync (virtual latency), then
 sends the messages through the virtual network, then reports applied entries and reads.
-Messages are checked against the wire codec by sample (``WIRE_CHECK_EVERY``): the sampled
-ones travel as decoded frames, the others as the objects the sender made, which the
-receiving core still checks semantically (MessageReceived). Events are (time_us, seq, ...) in a heap, so ties break by insertion
-order and a run is a pure function of its seed.
+Messages are checked against the wire codec and the receiver's semantic checks by sample
+(``WIRE_CHECK_EVERY``): the sampled ones travel as decoded frames, the others as the objects
+the sender made (MessageReceived, which the receiving core does not check again). Events are
+(time_us, seq, ...) in a heap, so ties break by insertion order and a run is a pure
+function of its seed.
 """
 from __future__ import annotations
 
 import hashlib
 import heapq
 import random
-from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
-from p2pmesh.core import wire
+from p2pmesh.core import validate, wire
 from p2pmesh.core.errors import LocalProtocolError, RemoteProtocolError
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.ids import NodeId
@@ -25,7 +25,7 @@ from p2pmesh.core.machine import (
     LeaveRequested,
     Machine,
     MessageReceived,
-    Mode,
+    MEMBER,
     PeerDiscovered,
     PortsObserved,
     ProposalRequested,
@@ -34,41 +34,24 @@ from p2pmesh.core.machine import (
     TimerFired,
 )
 from p2pmesh.core.messages import Capabilities, Put
-from p2pmesh.core.raft import Role
+from p2pmesh.core.raft import LEADER
 from p2pmesh.core.settings import Settings
 from sim.cabling import Cabling, SimCable
 from sim.checks import Checker, InvariantViolated
 from sim.disk import SimDisk
 from sim.network import LinkProfile, Network
+from sim.node import SimNode
 
 TIMER, DELIVER, SYNCED, CALL = 0, 1, 2, 3
 FSYNC_US = 200
+_TIMER_FIRED = TimerFired()
 WIRE_CHECK_EVERY = 16
 """The first message of each type in a world, and every 16th message, makes the full trip
-through the wire codec: encoded, decoded with every schema check, and compared with what
-the sender made (invariant ``wire-roundtrip``). Decoding every message cost a seventh of
-the simulator's time and checked less: the decoded copy was never compared."""
-
-
-@dataclass(slots=True)
-class SimNode:
-    index: int
-    node_id: NodeId
-    disk: SimDisk
-    caps: Capabilities
-    machine: Machine | None = None
-    alive: bool = False
-    paused: bool = False
-    left: bool = False
-    gen: int = 0
-    timer_at: int = -1
-    disk_free_at: int = 0
-    deferred: list[tuple[int, Any]] = field(default_factory=list)
-    booted_us: int = 0
-
-    @property
-    def name(self) -> str:
-        return f"n{self.index}"
+through the wire codec: encoded, decoded with every schema check, compared with what the
+sender made, and put through the semantic checks a receiver makes of a decoded frame
+(``validate.problem``; invariant ``wire-roundtrip``). Decoding every message cost a seventh
+of the simulator's time and checked less: the decoded copy was never compared. The others
+skip all three: a correct core makes no message that fails them."""
 
 
 class World:
@@ -272,7 +255,7 @@ class World:
             if payload != node.gen or self.now_us != node.timer_at:
                 return
             node.timer_at = -1
-            event: Input = TimerFired()
+            event: Input = _TIMER_FIRED
         elif kind == DELIVER:
             src, message = payload
             event = MessageReceived(src, message)
@@ -355,7 +338,8 @@ class World:
 
     def _wire(self, message: Any) -> Any:
         """A sampled message's trip through the codec: encoded, decoded with every schema
-        check, and compared with what was sent; the receivers get the decoded copy."""
+        check, compared with what was sent and checked as a receiver checks a frame; the
+        receivers get the decoded copy."""
         kind = type(message)
         self._wire_types.add(kind)
         self.wire_checked += 1
@@ -365,6 +349,9 @@ class World:
             raise InvariantViolated("wire-roundtrip", f"{kind.__name__} does not survive the codec: {exc}") from None
         if decoded != message:
             raise InvariantViolated("wire-roundtrip", f"{kind.__name__} decodes to a different value")
+        problem = validate.problem(decoded)
+        if problem is not None:
+            raise InvariantViolated("wire-roundtrip", f"{kind.__name__} fails a receiver's checks: {problem}")
         return decoded
 
     def note(self, text: str) -> None:
@@ -390,7 +377,7 @@ class World:
         best: SimNode | None = None
         for n in self.live_nodes():
             r = n.machine.raft if n.machine else None
-            if r is not None and r.role is Role.LEADER and (best is None or r.term > best.machine.raft.term):  # type: ignore[union-attr]
+            if r is not None and r.role is LEADER and (best is None or r.term > best.machine.raft.term):  # type: ignore[union-attr]
                 best = n
         return best
 
@@ -407,29 +394,40 @@ class World:
 
     def converged(self) -> bool:
         """One cluster, one leader everybody follows, all live nodes up-to-date voters."""
-        live = [n for n in self.live_nodes() if not n.paused]
+        # One pass for what live_nodes() and leader() find (scenarios ask after every event).
+        live: list[SimNode] = []
+        leader: SimNode | None = None
+        top = -1
+        for n in self.nodes:
+            if not n.alive or n.left or n.machine is None:
+                continue
+            r = n.machine.raft
+            if r is not None and r.role is LEADER and r.term > top:
+                leader, top = n, r.term
+            if not n.paused:
+                live.append(n)
         if not live:
             return True
-        leader = self.leader()
         if leader is None or leader.paused:
             return False
         lr = leader.machine.raft  # type: ignore[union-attr]
         assert lr is not None
-        live_ids = {n.node_id for n in live}
-        members = {m.node_id: m for m in lr.state.members}
-        if set(members) != live_ids or not all(m.voter and m.up for m in members.values()):
-            return False
         if lr.pending_conf_index > lr.commit:
             return False
+        members = {m.node_id: m for m in lr.state.members}
+        if len(members) != len(live) or not all(m.voter and m.up for m in members.values()):
+            return False
+        me = lr.me
         for n in live:
             m = n.machine
             assert m is not None
             r = m.raft
-            if m.mode is not Mode.MEMBER or r is None or r.cluster != lr.cluster:
+            if m.mode is not MEMBER or r is None or r.cluster != lr.cluster:
                 return False
-            if r.leader != lr.me or r.commit != lr.commit or r.term != lr.term:
+            if r.commit != lr.commit or r.term != lr.term or r.leader is None or r.leader.node_id != me.node_id:
                 return False
-            if members[n.node_id].inc != m.inc:
+            member = members.get(n.node_id)
+            if member is None or member.inc != m.inc or r.leader.inc != me.inc:
                 return False
         return True
 

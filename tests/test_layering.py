@@ -114,8 +114,6 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {
     frozenset({"p2pmesh.agent", "p2pmesh.fetch", "p2pmesh.http_api", "p2pmesh.link_tasks", "p2pmesh.models",
                "p2pmesh.pairing", "p2pmesh.peer_copy", "p2pmesh.workers"}):
         "issue 14: the agent's tasks take the whole Agent (to become tasks that take ports)",
-    frozenset({"sim.checks", "sim.world"}): "issue 14",
-    frozenset({"sim.history", "sim.linearizability"}): "issue 14",
 }
 """The cycles still open, each with the issue that removes it. Empty is the target."""
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from bisect import bisect_left
 from collections.abc import Callable
-from operator import attrgetter
 from typing import Any, TypeVar
 
 from p2pmesh.core.ids import ClusterId, NodeId
@@ -92,6 +91,8 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
     (a member already gone, a stale incarnation) leave the state unchanged."""
     if isinstance(cmd, Noop):
         return state
+    if isinstance(cmd, Put):  # (first: the simulator's clients write every 50 ms)
+        return _replace(state, kv=_put(state.kv, cmd.key, cmd.value))
     if isinstance(cmd, AddLearner):
         others = tuple(m for m in state.members if m.node_id != cmd.node_id)
         member = Member(cmd.node_id, cmd.inc, voter=False, up=True, addresses=cmd.addresses, caps=cmd.caps)
@@ -118,8 +119,6 @@ def apply_command(state: ClusterState, cmd: Command) -> ClusterState:
         return _replace(state, draining=tuple(sorted((*state.draining, cmd.node_id))))
     if isinstance(cmd, (SetModel, SetPlacement, WorkerReady, ActivatePlacement, WorkerFailed, StageFetched)):
         return _apply_dataplane(state, cmd)
-    if isinstance(cmd, Put):
-        return _replace(state, kv=_put(state.kv, cmd.key, cmd.value))
     raise AssertionError(f"unknown command {cmd!r}")
 
 
@@ -188,26 +187,42 @@ def _update_member(m: Member, cmd: Promote | MarkDown | MarkUp | UpdateMember | 
     return _replace(m, addresses=cmd.addresses, caps=cmd.caps)
 
 
-_COPIERS: dict[type, tuple[frozenset[str], tuple[str, ...], Callable[[Any], tuple[Any, ...]], tuple[Callable[[Any, Any], None], ...]]] = {}
-"""Per class: its fields as a set and in order, a getter of all of them, each slot's setter."""
+_COPIERS: dict[type, Callable[[Any, dict[str, Any]], Any]] = {}
+"""Per class: the function _replace copies its values with (made by _copier)."""
 
 
 def _replace(value: _T, **changes: Any) -> _T:
     """dataclasses.replace for the frozen, slotted values of messages.py (none has a
-    __post_init__), about three times as fast: every member applies every command."""
-    cls = type(value)
-    copier = _COPIERS.get(cls)
-    if copier is None:
-        names = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
-        setters = tuple(getattr(cls, n).__set__ for n in names)
-        copier = _COPIERS[cls] = (frozenset(names), names, attrgetter(*names), setters)
-    known, names, get, setters = copier
-    if not changes.keys() <= known:
-        raise TypeError(f"{cls.__name__} has no field {sorted(changes.keys() - known)}")
-    new = object.__new__(cls)
-    for name, setter, old in zip(names, setters, get(value)):
-        setter(new, changes[name] if name in changes else old)
-    return new
+    __post_init__), about six times as fast: every member applies every command, and a
+    Put copies the whole ClusterState (20 fields)."""
+    copy = _COPIERS.get(type(value))
+    if copy is None:
+        copy = _COPIERS[type(value)] = _copier(type(value))
+    return copy(value, changes)  # type: ignore[no-any-return]
+
+
+def _copier(cls: type) -> Callable[[Any, dict[str, Any]], Any]:
+    """A copy function for ``cls``, generated once as dataclasses generates __init__: one
+    line per field that stores the old value through the field's slot (a frozen class
+    refuses plain assignment), then the changed fields. A loop over the fields costs
+    half as much again."""
+    names = [f.name for f in dataclasses.fields(cls)]  # identifiers: safe to generate code from
+    setters = {name: getattr(cls, name).__set__ for name in names}
+    source = "\n".join([
+        "def copy(value, changes):",
+        "    new = new_object(cls)",
+        *(f"    set_{name}(new, value.{name})" for name in names),
+        "    for name, changed in changes.items():",
+        "        setter = setters.get(name)",
+        "        if setter is None:",
+        "            raise TypeError(f'{cls.__name__} has no field {name!r}')",
+        "        setter(new, changed)",
+        "    return new",
+    ])
+    namespace: dict[str, Any] = {"new_object": object.__new__, "cls": cls, "setters": setters,
+                                 **{f"set_{name}": setter for name, setter in setters.items()}}
+    exec(source, namespace)  # noqa: S102 (our own source, from the class's field names)
+    return namespace["copy"]  # type: ignore[no-any-return]
 
 
 def _put(kv: tuple[tuple[str, str], ...], key: str, value: str) -> tuple[tuple[str, str], ...]:

@@ -41,6 +41,9 @@ class LeaderDuties:
         self.ring_solving: tuple[tuple[tuple[object, ...], ...], Generator[None, None, physical.RingPlan | None]] | None = None
         """A solve spread over several steps (physical.plan_ring_steps): its inputs, its rest."""
         self.placement_checked_at = _NOTHING_CHECKED
+        self._quiet_members: tuple[object, ...] = (None, None, None, 0)
+        """(members, last_heard, since_ms, until_ms): silence detection found nothing to do
+        for these members, and cannot before until_ms (``detect``)."""
 
     def became_leader(self, now_ms: int) -> None:
         self.since_ms = now_ms
@@ -79,14 +82,20 @@ class LeaderDuties:
     def detect(self, r: Raft, me: Peer, last_heard: dict[NodeId, int], now_ms: int, *, config_ok: bool) -> None:
         """Failure detection: down after ``down_after_ms`` of silence, up when heard again,
         removed after ``remove_after_ms`` when the rest keeps a quorum."""
+        members = r.state.members
+        quiet = self._quiet_members
+        if members is quiet[0] and last_heard is quiet[1] and self.since_ms == quiet[2] and now_ms < quiet[3]:
+            return  # (checked after every input of the leader; last_heard only grows in place)
         s = self.settings
-        for member in r.state.members:
+        silent_max_ms = 0
+        for member in members:
             if member.node_id == me.node_id:
                 if not member.up and member.inc == me.inc:
                     self.propose_once(r, MarkUp(member.node_id, member.inc), now_ms)  # marked down by a predecessor
                 continue
             heard = last_heard.get(member.node_id, self.since_ms)
             silent_ms = now_ms - max(heard, self.since_ms)
+            silent_max_ms = max(silent_max_ms, silent_ms)
             if member.up and silent_ms >= s.down_after_ms:
                 self.propose_once(r, MarkDown(member.node_id, member.inc), now_ms)
             elif not member.up and silent_ms < s.down_after_ms:
@@ -94,6 +103,10 @@ class LeaderDuties:
             elif config_ok and not member.up and silent_ms >= s.remove_after_ms and removal_keeps_quorum(r, me.node_id, member.node_id):
                 if self.propose_once(r, RemoveMember(member.node_id, member.inc, "unreachable"), now_ms):
                     config_ok = False
+        if silent_max_ms < s.down_after_ms and all(m.up for m in members):
+            # Every member up and none silent for down_after_ms: nothing to propose until the
+            # most silent one gets there, unless the members or what was heard change.
+            self._quiet_members = (members, last_heard, self.since_ms, now_ms + s.down_after_ms - silent_max_ms)
 
     def negotiate_ring(self, r: Raft, now_ms: int) -> None:
         """Propose a new ring epoch when members, cables or addresses changed."""
@@ -132,6 +145,9 @@ class LeaderDuties:
         proposal = dataplane.negotiate(r.state)
         if proposal is not None and not self.propose_once(r, proposal, now_ms):
             self.placement_checked_at = _NOTHING_CHECKED
+        self._quiet_members: tuple[object, ...] = (None, None, None, 0)
+        """(members, last_heard, since_ms, until_ms): silence detection found nothing to do
+        for these members, and cannot before until_ms (``detect``)."""
 
 
 def removal_keeps_quorum(r: Raft, self_id: NodeId, node_id: NodeId) -> bool:

@@ -12,12 +12,14 @@ from p2pmesh.core.messages import CONFIG_COMMANDS, Config, Entry, Snapshot
 
 
 class RaftLog:
-    __slots__ = ("snapshot", "entries", "_configs")
+    __slots__ = ("snapshot", "entries", "_configs", "_latest")
 
     def __init__(self, snapshot: Snapshot, entries: list[Entry] | None = None) -> None:
         self.snapshot = snapshot
         self.entries: list[Entry] = []
         self._configs: list[tuple[int, Config]] = []
+        self._latest = snapshot.config
+        """config(), kept up to date by every change (Raft asks on every acknowledgement)."""
         for entry in entries or []:
             self._append_one(entry)
 
@@ -53,7 +55,10 @@ class RaftLog:
 
     def config(self) -> Config:
         """The latest configuration in the log, committed or not."""
-        return self._configs[-1][1] if self._configs else self.snapshot.config
+        return self._latest
+
+    def _config_changed(self) -> None:
+        self._latest = self._configs[-1][1] if self._configs else self.snapshot.config
 
     def config_at(self, index: int) -> Config:
         """The configuration in force at ``index`` (index >= snapshot.index)."""
@@ -79,7 +84,8 @@ class RaftLog:
     def _append_one(self, entry: Entry) -> None:
         self.entries.append(entry)
         if isinstance(entry.command, CONFIG_COMMANDS):
-            self._configs.append((entry.index, apply_config_command(self.config(), entry.command)))
+            self._configs.append((entry.index, apply_config_command(self._latest, entry.command)))
+            self._config_changed()
 
     def truncate_from(self, index: int) -> None:
         """Drop entries at ``index`` and after (never below the snapshot)."""
@@ -87,6 +93,7 @@ class RaftLog:
         del self.entries[index - self.snapshot.index - 1 :]
         while self._configs and self._configs[-1][0] >= index:
             self._configs.pop()
+        self._config_changed()
 
     def compact(self, snapshot: Snapshot) -> None:
         """Replace the prefix up to ``snapshot.index`` (which we hold) by the snapshot."""
@@ -94,9 +101,11 @@ class RaftLog:
         del self.entries[: snapshot.index - self.snapshot.index]
         self._configs = [(i, c) for i, c in self._configs if i > snapshot.index]
         self.snapshot = snapshot
+        self._config_changed()
 
     def reset(self, snapshot: Snapshot) -> None:
         """Throw everything away in favour of a snapshot (InstallSnapshot)."""
         self.snapshot = snapshot
         self.entries = []
         self._configs = []
+        self._config_changed()

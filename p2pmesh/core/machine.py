@@ -26,6 +26,7 @@ Formation and merging (no seed node, no configuration)
 """
 from __future__ import annotations
 
+import operator
 import random
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +66,9 @@ from p2pmesh.core.node_io import (  # the machine's inputs and outputs, importab
     ClusterEvent,
     FrameReceived,
     GenerateRequested,
+    LEFT,
+    MEMBER,
+    UNFORMED,
     Input,
     LeaveRequested,
     MessageReceived,
@@ -90,7 +94,7 @@ from p2pmesh.core.leader import LeaderDuties
 from p2pmesh.core.leave import LeaveStep
 from p2pmesh.core.peers import PeerBook, rank
 from p2pmesh.core.publishing import LocalFacts, Publisher
-from p2pmesh.core.raft import HardState, Raft, RaftOutput, Role
+from p2pmesh.core.raft import LEADER, HardState, Raft, RaftOutput
 from p2pmesh.core.serving import Router
 from p2pmesh.core.settings import Settings
 from p2pmesh.core import dataplane, leave, validate, wire
@@ -127,7 +131,7 @@ class Machine:
         self.node_id = node_id
         self.settings = settings
         self.rng = rng
-        self.mode = Mode.UNFORMED
+        self.mode = UNFORMED
         self.inc = self._new_inc()
         self.raft: Raft | None = None
         self.started_ms = now_ms
@@ -155,6 +159,9 @@ class Machine:
         self.duties = self.leader_class(settings)
         """The leader's proposals (core/leader.py), kept while this node leads."""
         self.router = Router(node_id)
+        self._ports_current: tuple[object, ...] = (None,) * 6
+        """(committed state, incarnation, addresses, caps, ports, probes) when the committed
+        member last matched the local facts: nothing to publish while they stay the same."""
         self._inputs = self._input_table()
 
     # ------------------------------------------------------------------------------
@@ -179,7 +186,7 @@ class Machine:
             m._persist_hard()
         else:
             m.inc = persisted.hard.inc
-            m.mode = Mode.MEMBER
+            m.mode = MEMBER
             log = RaftLog(persisted.snapshot, list(persisted.entries))
             hard = HardState(persisted.hard.term, persisted.hard.vote)
             m.raft = m._new_raft(persisted.hard.cluster, hard, log, now_ms)
@@ -213,13 +220,13 @@ class Machine:
 
     def status(self) -> Status:
         r = self.raft
-        role = "unformed" if self.mode is Mode.UNFORMED else "left" if self.mode is Mode.LEFT else "joining"
+        role = "unformed" if self.mode is UNFORMED else "left" if self.mode is LEFT else "joining"
         if r is not None:
             if r.is_voter():
                 role = r.role.value
             elif self.me in r.config.learners:
                 role = "learner"
-            if len(r.config.voters) == 1 and r.is_voter() and r.role is Role.LEADER:
+            if len(r.config.voters) == 1 and r.is_voter() and r.role is LEADER:
                 role = "standalone"
         return Status(
             node_id=self.node_id,
@@ -242,9 +249,9 @@ class Machine:
 
     def _healthy(self, now_ms: int) -> bool:
         r = self.raft
-        if r is None or self.mode is not Mode.MEMBER:
+        if r is None or self.mode is not MEMBER:
             return False
-        if r.role is Role.LEADER:
+        if r.role is LEADER:
             return True
         return r.leader is not None and r.leader_contact_ms is not None and now_ms - r.leader_contact_ms <= self.settings.election_max_ms
 
@@ -253,7 +260,7 @@ class Machine:
 
     def handle(self, event: Input, now_ms: int) -> Ready:
         self.now_ms = now_ms
-        if self.mode is Mode.LEFT:
+        if self.mode is LEFT:
             return self._take_ready()
         on_input = self._inputs.get(type(event))
         if on_input is None:
@@ -291,7 +298,7 @@ class Machine:
     # Inputs that only record a fact or hand it on
 
     def _on_message(self, event: MessageReceived, now_ms: int) -> None:
-        self.receive(event.peer, event.message, now_ms)
+        self.receive(event.peer, event.message, now_ms, trusted=True)
 
     def _on_vanished(self, event: PeerVanished, now_ms: int) -> None:
         self.peers.forget(event.node_id)
@@ -359,15 +366,16 @@ class Machine:
             return
         self.receive(event.peer, msg, now_ms)
 
-    def receive(self, peer: NodeId, msg: Message, now_ms: int) -> None:
-        """Handle a decoded message from an authenticated peer (checks who claims what)."""
+    def receive(self, peer: NodeId, msg: Message, now_ms: int, *, trusted: bool = False) -> None:
+        """Handle a decoded message from an authenticated peer (checks who claims what, and
+        unless ``trusted``, a MessageReceived, that its numbers make sense)."""
         if not isinstance(msg, MESSAGE_TYPES):
             self.rejected_frames += 1  # a registered value that is not a message
             self.malformed_frames += 1
             return
         hdr = getattr(msg, "hdr", None)  # Raft's messages have a header, the others not
         claimed = msg.src if hdr is None else hdr.src  # type: ignore[union-attr]
-        if claimed != peer or validate.problem(msg) is not None:
+        if claimed != peer or (not trusted and validate.problem(msg) is not None):
             self.rejected_frames += 1  # a peer claiming another node's id, or nonsense
             self.malformed_frames += 1
             return
@@ -423,7 +431,7 @@ class Machine:
 
     def _hello(self, now_ms: int) -> Hello:
         r = self.raft
-        members = len(r.state.members) if r is not None and self.mode is Mode.MEMBER else 0
+        members = len(r.state.members) if r is not None and self.mode is MEMBER else 0
         leader = r.leader.node_id if r is not None and r.leader is not None else None
         return Hello(self.node_id, self.inc, self.cluster, members, self._healthy(now_ms), leader, self.facts.addresses, self.facts.caps)
 
@@ -449,7 +457,7 @@ class Machine:
         if self.leaving:
             return
         best = self.peers.best_foreign_cluster(self.cluster, now_ms)
-        if self.mode is Mode.UNFORMED:
+        if self.mode is UNFORMED:
             if best is not None:
                 self._join(best, now_ms)
             elif now_ms - self.started_ms >= self.settings.formation_wait_ms and self.peers.lowest_unformed(self.node_id, now_ms):
@@ -501,7 +509,7 @@ class Machine:
         log = RaftLog(base, entries)
         self.raft = self._new_raft(cluster, HardState(1, me), log, now_ms)
         self.raft.commit_founding(len(entries))
-        self.mode = Mode.MEMBER
+        self.mode = MEMBER
         self.joining = None
         self.unhealthy_since_ms = now_ms
         self._persist_switch(base)
@@ -514,7 +522,7 @@ class Machine:
         self._reset_identity()
         base = Snapshot(0, 0, Config((), ()), empty_state(target.cluster))
         self.raft = self._new_raft(target.cluster, HardState(0, None), RaftLog(base), now_ms)
-        self.mode = Mode.MEMBER
+        self.mode = MEMBER
         self.joining = target.src
         self.join_started_ms = now_ms
         self.unhealthy_since_ms = now_ms
@@ -531,7 +539,7 @@ class Machine:
     def _become_unformed(self, now_ms: int, reason: str) -> None:
         self._reset_identity()
         self.raft = None
-        self.mode = Mode.UNFORMED
+        self.mode = UNFORMED
         self.joining = None
         self.started_ms = now_ms
         self.ready.events.append(ClusterEvent("unformed", reason))
@@ -572,7 +580,7 @@ class Machine:
         if r is None or j.cluster != r.cluster:
             self.ready.messages.append((j.src, JoinReply(self.node_id, self.cluster or ClusterId(""), False, None)))
             return
-        if r.role is not Role.LEADER:
+        if r.role is not LEADER:
             hint = r.leader.node_id if r.leader is not None else None
             self.ready.messages.append((j.src, JoinReply(self.node_id, r.cluster, False, hint)))
             return
@@ -619,14 +627,19 @@ class Machine:
         core/publishing.py). Peers dial the committed addresses, and LAN hops of the MLX
         hostfile use them: a Mac that moved must not be left behind at the old address."""
         r = self.raft
-        if r is None or self.mode is not Mode.MEMBER or self.leaving or r.leader is None:
+        if r is None or self.mode is not MEMBER or self.leaving or r.leader is None:
             return
-        mine = find_member(r.state, self.node_id)
-        if mine is None or mine.inc != self.inc:
-            return
-        for command in self.publisher.membership(self.facts, mine, self.inc, now_ms):
-            self._propose(command, now_ms)
         facts = self.facts
+        current = (r.state, self.inc, facts.addresses, facts.caps, facts.ports, facts.probes)
+        if not all(map(operator.is_, current, self._ports_current)):  # (else the very objects found up to date)
+            mine = find_member(r.state, self.node_id)
+            if mine is None or mine.inc != self.inc:
+                return
+            if self.publisher.up_to_date(facts, mine):
+                self._ports_current = current
+            else:
+                for command in self.publisher.membership(facts, mine, self.inc, now_ms):
+                    self._propose(command, now_ms)
         if facts.measure is None and not facts.fetched and not facts.loaded and not facts.crashed:
             return  # nothing measured or reported by workers: nothing more to publish (a hot path)
         mine = find_member(r.state, self.node_id)  # (a one-member cluster commits at once)
@@ -638,7 +651,7 @@ class Machine:
     def _route(self, now_ms: int) -> None:
         """Move inference requests along (core/serving.py) and collect their effects."""
         r = self.raft
-        state = r.state if r is not None and self.mode is Mode.MEMBER else None
+        state = r.state if r is not None and self.mode is MEMBER else None
         head = dataplane.head(state) if state is not None else None
         epoch = state.active_epoch if state is not None else 0
         self.router.tick(state, head, epoch, now_ms)
@@ -664,14 +677,14 @@ class Machine:
         r = self.raft
         if r is None or validate.command_problem(command) is not None:
             return
-        if r.role is Role.LEADER:
+        if r.role is LEADER:
             r.propose(command, now_ms)
         elif r.leader is not None:
             self.ready.messages.append((r.leader.node_id, ForwardProposal(r.header_to(r.leader), command)))
 
     def _drive_leave(self, now_ms: int) -> None:
         r = self.raft
-        if r is None or self.mode is not Mode.MEMBER:
+        if r is None or self.mode is not MEMBER:
             self._finish_leave()
             return
         step = leave.next_step(
@@ -696,13 +709,13 @@ class Machine:
     def _holds_layers(self) -> bool:
         """Whether the serving or the pending placement gives this node model layers."""
         r = self.raft
-        if r is None or self.mode is not Mode.MEMBER:
+        if r is None or self.mode is not MEMBER:
             return False
         return any(s.node_id == self.node_id for s in (*r.state.active, *r.state.placement))
 
     def _finish_leave(self, *, confirmed: bool = False) -> None:
         self.leave_confirmed = confirmed
-        self.mode = Mode.LEFT
+        self.mode = LEFT
         self.ready.left = True
         self.ready.events.append(ClusterEvent("left cluster", self.cluster or "-"))
 
@@ -722,11 +735,14 @@ class Machine:
     def _greet(self, now_ms: int) -> None:
         """Hello every known peer that is not a current cluster-mate (mates hear Raft)."""
         r = self.raft
-        members = set((*r.config.voters, *r.config.learners)) if r else set()
-        hello = self._hello(now_ms)
+        # (node id, incarnation) pairs, not Peers: hashing a Peer is a Python-level call.
+        mates = {(p.node_id, p.inc) for p in (*r.config.voters, *r.config.learners)} if r else set()
+        hello: Hello | None = None  # made for the first peer that needs one (often none does)
         for node_id, info in self.peers.items():
-            if info.mate is not None and info.mate in members:
+            if info.mate is not None and (info.mate.node_id, info.mate.inc) in mates:
                 continue
+            if hello is None:
+                hello = self._hello(now_ms)
             info.replied_ms = now_ms
             self.ready.messages.append((node_id, hello))
 
@@ -734,7 +750,7 @@ class Machine:
         r = self.raft
         if r is None:
             return
-        if r.role is Role.LEADER:
+        if r.role is LEADER:
             if self._last_leader != self.node_id:
                 self.duties.became_leader(now_ms)
             self.duties.run(r, self.me, self.last_heard, now_ms)
@@ -743,16 +759,19 @@ class Machine:
             self.unhealthy_since_ms = None
         elif self.unhealthy_since_ms is None:
             self.unhealthy_since_ms = now_ms
-        out = r.take_output()
-        self._merge_output(out, now_ms)
+        applied: list[Entry] = []
+        if r.has_output():  # (half of all inputs leave Raft nothing to report)
+            out = r.take_output()
+            self._merge_output(out, now_ms)
+            applied = out.applied
         leader = r.leader.node_id if r.leader else None
         if leader != self._last_leader:
             self._last_leader = leader
             if leader is not None:
                 self.ready.events.append(ClusterEvent("leader elected", f"{leader} term {r.term}"))
-        if self.leaving and out.applied:
+        if self.leaving and applied:
             self._drive_leave(now_ms)
-        if self.mode is Mode.MEMBER and not self.leaving and self._removed_in(out.applied):
+        if applied and self.mode is MEMBER and not self.leaving and self._removed_in(applied):
             self._become_unformed(now_ms, "removed from the cluster")
 
     def _removed_in(self, applied: list[Entry]) -> bool:
@@ -781,7 +800,7 @@ class Machine:
             ready.log_entries = tuple(r.log.entries[max(0, ready.log_truncate_from - r.log.first_index) :])
         for entry in out.applied:
             cmd = entry.command
-            if isinstance(cmd, RemoveMember) and r.role is Role.LEADER and cmd.node_id != self.node_id:
+            if isinstance(cmd, RemoveMember) and r.role is LEADER and cmd.node_id != self.node_id:
                 ready.messages.append((cmd.node_id, RemovalNotice(self.node_id, r.cluster, cmd.node_id, cmd.inc)))
             if isinstance(cmd, (AddLearner, Promote, RemoveMember, MarkDown, MarkUp)):
                 ready.events.append(ClusterEvent(_EVENT_NAMES[type(cmd)], cmd.node_id))

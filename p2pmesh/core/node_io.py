@@ -32,6 +32,10 @@ class Mode(enum.Enum):
     LEFT = "left"
 
 
+UNFORMED, MEMBER, LEFT = Mode.UNFORMED, Mode.MEMBER, Mode.LEFT
+"""The modes as module constants, compared with on every input (see raft.LEADER)."""
+
+
 # --------------------------------------------------------------------------------------
 # Inputs (past-tense facts)
 
@@ -46,8 +50,10 @@ class FrameReceived:
 
 @dataclass(frozen=True, slots=True)
 class MessageReceived:
-    """A message from ``peer`` that this process's own driver encoded (the simulator): no
-    frame to decode, but the same semantic checks as a frame's. The agent never makes one."""
+    """A message from ``peer`` that this process's own driver made from another core's
+    output (the simulator): no frame to decode, and no semantic checks (``validate``): a
+    correct core makes no message that fails them, and the simulator checks that on a
+    sample (sim/world.py, invariant wire-roundtrip). The agent never makes one."""
 
     peer: NodeId
     message: Message

@@ -85,12 +85,19 @@ class Publisher:
         self._sent[kind] = (key, now_ms)
         return True
 
-    def membership(self, facts: LocalFacts, mine: Member, inc: int, now_ms: int) -> list[Command]:
+    @staticmethod
+    def _moved(facts: LocalFacts, mine: Member) -> bool:
         # Capabilities too: an agent restarted with another --data-port keeps its
         # incarnation, and its ranks must be rendered at the new port.
+        return bool(facts.addresses and mine.addresses != facts.addresses) or mine.caps != facts.caps
+
+    def up_to_date(self, facts: LocalFacts, mine: Member) -> bool:
+        """Nothing of ``membership``'s to publish: addresses, caps, ports and probes as committed."""
+        return not self._moved(facts, mine) and mine.ports == facts.ports and mine.probes == facts.probes
+
+    def membership(self, facts: LocalFacts, mine: Member, inc: int, now_ms: int) -> list[Command]:
         out: list[Command] = []
-        changed = (facts.addresses and mine.addresses != facts.addresses) or mine.caps != facts.caps
-        if changed and self._due("addresses", now_ms):
+        if self._moved(facts, mine) and self._due("addresses", now_ms):
             out.append(UpdateMember(self.node_id, inc, facts.addresses or mine.addresses, facts.caps))
         if (mine.ports != facts.ports or mine.probes != facts.probes) and self._due("ports", now_ms):
             out.append(PublishPorts(self.node_id, inc, facts.ports, facts.probes))

@@ -62,6 +62,12 @@ class Role(enum.Enum):
     LEADER = "leader"
 
 
+FOLLOWER, PRECANDIDATE, CANDIDATE, LEADER = Role.FOLLOWER, Role.PRECANDIDATE, Role.CANDIDATE, Role.LEADER
+"""The roles as module constants, which the core compares with: Python 3.11 finds a member
+named on its enum (``Role.LEADER``) through EnumType's __getattr__ hook, at about 850
+instructions, several times per message (a sixteenth of the simulator's time)."""
+
+
 @dataclass(frozen=True, slots=True)
 class HardState:
     """What must survive a crash besides the log: Raft's currentTerm and votedFor."""
@@ -84,6 +90,11 @@ class RaftOutput:
     """ReadIndex results for local readers: (ctx, ok). ok means the state is now readable."""
     role_changed: bool = False
 
+    def is_empty(self) -> bool:
+        """Nothing to persist, send or act on (``role_changed`` alone is only a hint)."""
+        return (not (self.messages or self.applied or self.reads) and self.hard_state is None and self.snapshot is None
+                and self.log_dirty_from is None)
+
 
 @dataclass(slots=True)
 class Progress:
@@ -95,6 +106,10 @@ class Progress:
     recent_active: bool = False
     acked_round: int = 0
     snapshot_sent: bool = False
+    voter: bool = False
+    """A voter of the leader's latest configuration, not a learner (etcd's IsLearner, the
+    other way round): commits, reads and CheckQuorum count voters only, on every
+    acknowledgement, and a flag spares comparing Peer values for it each time."""
 
 
 @dataclass(slots=True)
@@ -130,7 +145,7 @@ class Raft:
         self.commit = log.snapshot.index
         self.applied = log.snapshot.index
         self.state: ClusterState = log.snapshot.state
-        self.role = Role.FOLLOWER
+        self.role = FOLLOWER
         self.leader: Peer | None = None
         self.leader_contact_ms: int | None = None
         self.out = RaftOutput()
@@ -144,7 +159,16 @@ class Raft:
         self.reads: list[PendingRead] = []
         self.follower_reads: dict[int, int] = {}
         """ctx -> read index granted by the leader, waiting until applied reaches it."""
-        self._headers: dict[Peer, Header] = {}
+        self._voter_in: tuple[Config | None, bool] = (None, False)
+        """(a configuration, whether this node is a voter in it): is_voter's last answer."""
+        self._headers: dict[NodeId, Header] = {}
+        """The last header sent to each node (by id, so no Peer is hashed on the hot path)."""
+        self._sources: dict[NodeId, Peer] = {}
+        """The last sender seen of each node id, at its incarnation: step looks a message's
+        sender up rather than building a Peer per message (bounded by the nodes that can
+        reach this Raft at all: the owner checked the cluster and the destination). A
+        leader puts its progress keys here, so looking a sender's progress up finds the
+        very object and compares no Peer values."""
         self.heartbeat_due_ms = 0
         self.check_quorum_due_ms = 0
         self.election_due_ms = 0
@@ -159,13 +183,18 @@ class Raft:
         return self.log.config()
 
     def is_voter(self, peer: Peer | None = None) -> bool:
-        return (peer or self.me) in self.config.voters
+        config = self.config
+        if peer is not None:
+            return peer in config.voters
+        if config is not self._voter_in[0]:  # asked on every acknowledgement: once per configuration
+            self._voter_in = (config, self.me in config.voters)
+        return self._voter_in[1]
 
     def quorum(self) -> int:
         return len(self.config.voters) // 2 + 1
 
     def next_deadline_ms(self) -> int:
-        if self.role is Role.LEADER:
+        if self.role is LEADER:
             due = min(self.heartbeat_due_ms, self.check_quorum_due_ms)
             if self.transfer_to is not None:
                 due = min(due, self.transfer_deadline_ms)
@@ -175,6 +204,10 @@ class Raft:
     def take_output(self) -> RaftOutput:
         out, self.out = self.out, RaftOutput()
         return out
+
+    def has_output(self) -> bool:
+        """Whether take_output has anything to persist, send or act on."""
+        return not self.out.is_empty()
 
     def commit_founding(self, index: int) -> None:
         """Commit a new one-member cluster's founding entries up to ``index``: its only
@@ -197,7 +230,7 @@ class Raft:
         self.election_due_ms = now_ms + self.rng.randint(s.election_min_ms, s.election_max_ms)
 
     def tick(self, now_ms: int) -> None:
-        if self.role is Role.LEADER:
+        if self.role is LEADER:
             if self.transfer_to is not None and now_ms >= self.transfer_deadline_ms:
                 self.transfer_to = None
             if now_ms >= self.check_quorum_due_ms:
@@ -215,8 +248,8 @@ class Raft:
 
     def _quorum_active(self) -> bool:
         active = 1 if self.is_voter() else 0
-        for peer, pr in self.progress.items():
-            if pr.recent_active and peer in self.config.voters:
+        for pr in self.progress.values():
+            if pr.recent_active and pr.voter:
                 active += 1
             pr.recent_active = False
         return active >= self.quorum()
@@ -233,9 +266,9 @@ class Raft:
     def become_follower(self, term: int, leader: Peer | None, now_ms: int) -> None:
         if term > self.term:
             self._set_hard(term, None)
-        if self.role is not Role.FOLLOWER:
+        if self.role is not FOLLOWER:
             self.out.role_changed = True
-        self.role = Role.FOLLOWER
+        self.role = FOLLOWER
         if leader != self.leader:
             self.out.role_changed = True
         self.leader = leader
@@ -249,10 +282,10 @@ class Raft:
         self.leader = None
         self.votes = {self.me: True}
         if prevote:
-            self.role = Role.PRECANDIDATE
+            self.role = PRECANDIDATE
             term = self.term + 1
         else:
-            self.role = Role.CANDIDATE
+            self.role = CANDIDATE
             self._set_hard(self.term + 1, self.me)
             term = self.term
         self.reset_election_timer(now_ms)
@@ -276,13 +309,15 @@ class Raft:
             self.become_leader(now_ms)
 
     def become_leader(self, now_ms: int) -> None:
-        self.role = Role.LEADER
+        self.role = LEADER
         self.leader = self.me
         self.out.role_changed = True
         self.transfer_to = None
         self.progress = {}
+        voters = self.config.voters
         for peer in self._replication_targets():
-            self.progress[peer] = Progress(next=self.log.last_index + 1)
+            self.progress[peer] = Progress(next=self.log.last_index + 1, voter=peer in voters)
+        self._sources.update((peer.node_id, peer) for peer in self.progress)  # (see _sources)
         self.check_quorum_due_ms = now_ms + self.settings.election_min_ms
         # Conservatively treat every entry we hold as possibly carrying a config change.
         self.pending_conf_index = self.log.last_index
@@ -304,7 +339,7 @@ class Raft:
         progress, proposals_pending_max entries not yet committed, or a config change
         while another is pending or before our own term has committed an entry).
         """
-        if self.role is not Role.LEADER or self.transfer_to is not None:
+        if self.role is not LEADER or self.transfer_to is not None:
             return None
         if self.log.last_index - self.commit >= self.settings.proposals_pending_max:
             return None  # a minority leader or a flood of forwarded proposals: the log stays bounded
@@ -325,7 +360,7 @@ class Raft:
         return peer in cfg.voters or peer in cfg.learners
 
     def config_change_allowed(self) -> bool:
-        return self.role is Role.LEADER and self.pending_conf_index <= self.commit and self.commit >= self.term_start_index
+        return self.role is LEADER and self.pending_conf_index <= self.commit and self.commit >= self.term_start_index
 
     def _append(self, command: Command) -> int:
         entry = Entry(self.log.last_index + 1, self.term, command)
@@ -343,28 +378,31 @@ class Raft:
 
     def _sync_progress_with_config(self) -> None:
         targets = set(self._replication_targets())
+        voters = self.config.voters
         for peer in list(self.progress):
             if peer not in targets:
                 del self.progress[peer]
         for peer in targets:
             if peer not in self.progress:
                 self.progress[peer] = Progress(next=self.log.last_index)
+            self.progress[peer].voter = peer in voters  # (a promoted learner keeps its progress)
+        self._sources.update((peer.node_id, peer) for peer in self.progress)
 
     def transfer_leadership(self, target: Peer, now_ms: int) -> bool:
-        if self.role is not Role.LEADER or target == self.me or target not in self.config.voters:
+        if self.role is not LEADER or target == self.me or target not in self.config.voters:
             return False
         self.transfer_to = target
         self.transfer_deadline_ms = now_ms + self.settings.election_max_ms
-        pr = self.progress.get(target)
-        if pr is not None and pr.match == self.log.last_index:
+        pr = self.progress[target]  # a voter other than us: a replication target
+        if pr.match == self.log.last_index:
             self._send(target, TimeoutNow(self._hdr(target)))
         else:
-            self._send_append(target, now_ms)
+            self._send_append(target, pr, now_ms)
         return True
 
     def read(self, ctx: int, now_ms: int) -> None:
         """Start a linearizable read; ``out.reads`` reports (ctx, ok) when decided."""
-        if self.role is Role.LEADER:
+        if self.role is LEADER:
             self._leader_read(ctx, None, now_ms)
         elif self.leader is not None and len(self.follower_reads) < self.settings.reads_pending_max:
             self._send(self.leader, ReadIndexRequest(self._hdr(self.leader), ctx))
@@ -385,11 +423,7 @@ class Raft:
     def _check_reads(self) -> None:
         if not self.reads:
             return
-        voters = self.config.voters
-        rounds = sorted(
-            (pr.acked_round for peer, pr in self.progress.items() if peer in voters),
-            reverse=True,
-        )
+        rounds = sorted((pr.acked_round for pr in self.progress.values() if pr.voter), reverse=True)
         if self.is_voter():
             rounds.insert(0, self.read_round)
         confirmed = rounds[self.quorum() - 1] if len(rounds) >= self.quorum() else 0
@@ -420,10 +454,10 @@ class Raft:
 
     def _hdr(self, to: Peer, term: int | None = None) -> Header:
         term = self.term if term is None else term
-        hdr = self._headers.get(to)
-        if hdr is None or hdr.term != term:
+        hdr = self._headers.get(to.node_id)
+        if hdr is None or hdr.term != term or hdr.dst_inc != to.inc:
             # Headers are immutable values; reuse one per peer and term (a hot path).
-            hdr = self._headers[to] = Header(self.cluster, self.me.node_id, self.me.inc, to.node_id, to.inc, term)
+            hdr = self._headers[to.node_id] = Header(self.cluster, self.me.node_id, self.me.inc, to.node_id, to.inc, term)
         return hdr
 
     def _send(self, to: Peer, message: Message) -> None:
@@ -432,7 +466,9 @@ class Raft:
     def step(self, m: Message, now_ms: int) -> None:
         """Handle one Raft message addressed to us (the owner checked cluster and dst_inc)."""
         hdr: Header = m.hdr  # type: ignore[union-attr]
-        src = Peer(hdr.src, hdr.src_inc)
+        src = self._sources.get(hdr.src)
+        if src is None or src.inc != hdr.src_inc:
+            src = self._sources[hdr.src] = Peer(hdr.src, hdr.src_inc)
         if isinstance(m, VoteRequest):
             self._on_vote_request(m, src, now_ms)
             return
@@ -457,11 +493,11 @@ class Raft:
         elif isinstance(m, InstallSnapshot):
             self._on_snapshot(m, src, now_ms)
         elif isinstance(m, TimeoutNow):
-            if self.is_voter() and self.role is not Role.LEADER:
+            if self.is_voter() and self.role is not LEADER:
                 # A transfer skips the pre-vote and is flagged so in-lease voters answer.
                 self.campaign(now_ms, prevote=False, transfer=True)
         elif isinstance(m, ReadIndexRequest):
-            if self.role is Role.LEADER:
+            if self.role is LEADER:
                 self._leader_read(m.ctx, src, now_ms)
             else:
                 self._send(src, ReadIndexResponse(self._hdr(src), m.ctx, 0, False))
@@ -471,7 +507,7 @@ class Raft:
             # Only a member at its current incarnation may forward: a removed one (or its old
             # incarnation) no longer writes to the cluster.
             member = src in self.config.voters or src in self.config.learners
-            if self.role is Role.LEADER and member and validate.forwarded_problem(m.command, src.node_id) is None:
+            if self.role is LEADER and member and validate.forwarded_problem(m.command, src.node_id) is None:
                 self.propose(m.command, now_ms)
 
     def _in_lease(self, now_ms: int) -> bool:
@@ -479,7 +515,7 @@ class Raft:
             self.leader is not None
             and self.leader_contact_ms is not None
             and now_ms - self.leader_contact_ms < self.settings.election_min_ms
-        ) or self.role is Role.LEADER
+        ) or self.role is LEADER
 
     def _on_vote_request(self, m: VoteRequest, src: Peer, now_ms: int) -> None:
         term = m.hdr.term
@@ -503,9 +539,9 @@ class Raft:
 
     def _on_vote_response(self, m: VoteResponse, src: Peer, now_ms: int) -> None:
         if m.prevote:
-            if self.role is not Role.PRECANDIDATE or (m.granted and m.hdr.term != self.term + 1):
+            if self.role is not PRECANDIDATE or (m.granted and m.hdr.term != self.term + 1):
                 return
-        elif self.role is not Role.CANDIDATE:
+        elif self.role is not CANDIDATE:
             return
         self.votes[src] = m.granted
         if self._tally() >= self.quorum():
@@ -516,9 +552,9 @@ class Raft:
             self.become_follower(self.term, None, now_ms)
 
     def _heard_from_leader(self, src: Peer, now_ms: int) -> None:
-        if self.role is not Role.FOLLOWER or self.leader != src:
-            self.out.role_changed = True
-        self.role = Role.FOLLOWER
+        if self.role is not FOLLOWER or (self.leader is not src and self.leader != src):
+            self.out.role_changed = True  # (src is the very Peer of the last message from it: see step)
+        self.role = FOLLOWER
         self.leader = src
         self.leader_contact_ms = now_ms
         self.reset_election_timer(now_ms)
@@ -572,7 +608,7 @@ class Raft:
         self._send(src, AppendResponse(self._hdr(src), True, snap.index, 0))
 
     def _on_append_response(self, m: AppendResponse, src: Peer, now_ms: int) -> None:
-        if self.role is not Role.LEADER:
+        if self.role is not LEADER:
             return
         pr = self.progress.get(src)
         if pr is None:
@@ -588,13 +624,13 @@ class Raft:
                 pr.match = m.index
                 self._maybe_commit()
             pr.next = max(pr.next, pr.match + 1)
-            if self.transfer_to == src and pr.match == self.log.last_index:
+            if self.transfer_to is not None and self.transfer_to == src and pr.match == self.log.last_index:
                 self._send(src, TimeoutNow(self._hdr(src)))
         else:
             pr.snapshot_sent = False
             pr.next = max(pr.match + 1, min(pr.next - 1, m.index + 1))
         if pr.next <= self.log.last_index:
-            self._send_append(src, now_ms)
+            self._send_append(src, pr, now_ms)
 
     def _on_read_response(self, m: ReadIndexResponse) -> None:
         if m.ctx not in self.follower_reads:
@@ -617,11 +653,10 @@ class Raft:
 
     def broadcast_append(self, now_ms: int, *, heartbeat: bool) -> None:
         self.heartbeat_due_ms = now_ms + self.settings.heartbeat_ms
-        for peer in self.progress:
-            self._send_append(peer, now_ms, heartbeat=heartbeat)
+        for peer, pr in self.progress.items():
+            self._send_append(peer, pr, now_ms, heartbeat=heartbeat)
 
-    def _send_append(self, peer: Peer, now_ms: int, *, heartbeat: bool = False) -> None:
-        pr = self.progress[peer]
+    def _send_append(self, peer: Peer, pr: Progress, now_ms: int, *, heartbeat: bool = False) -> None:
         if not heartbeat and pr.inflight >= self.settings.inflight_appends_max:
             return
         prev = pr.next - 1
@@ -641,9 +676,8 @@ class Raft:
         self._send(peer, AppendEntries(self._hdr(peer), prev, prev_term, entries, commit, self.read_round))
 
     def _maybe_commit(self) -> None:
-        voters = self.config.voters
-        matches = [pr.match for peer, pr in self.progress.items() if peer in voters]
-        if self.me in voters:
+        matches = [pr.match for pr in self.progress.values() if pr.voter]
+        if self.is_voter():
             matches.append(self.log.last_index)
         q = self.quorum()
         if len(matches) < q:
@@ -668,9 +702,9 @@ class Raft:
             self.out.applied.append(entry)
         if self.follower_reads:
             self._release_follower_reads()
-        if self.role is Role.LEADER and not self.is_voter() and self.commit >= self.log.last_config_index():
+        if self.role is LEADER and not self.is_voter() and self.commit >= self.log.last_config_index():
             # Our own removal committed: stop leading (etcd's StepDownOnRemoval).
-            self.role = Role.FOLLOWER
+            self.role = FOLLOWER
             self.leader = None
             self.out.role_changed = True
             self.progress = {}

@@ -164,10 +164,13 @@ def _mutated(draw: st.DrawFn) -> tuple[NodeId, NodeId, bytes]:
 # --------------------------------------------------------------------------------------
 # A machine's whole state, as a comparable tree
 
-_NOT_STATE = frozenset({"rejected_frames", "malformed_frames", "now_ms", "last_heard"})
-"""The refusal counters (they must move), the time of the last input (an input), and when
-each peer was last heard from (checked on its own: a stale frame still proves its sender
-alive)."""
+_NOT_STATE = frozenset({"rejected_frames", "malformed_frames", "now_ms", "last_heard",
+                        "_ports_current", "_quiet_members", "_voter_in"})
+"""The refusal counters (they must move), the time of the last input (an input), when each
+peer was last heard from (checked on its own: a stale frame still proves its sender alive),
+and what the bookkeeping after every input remembers of its last look at the state (caches:
+what was found up to date, until when the leader's silence detection has nothing to do,
+whether this node votes in a configuration)."""
 
 
 def _tree(obj: Any, seen: set[int] | None = None) -> Any:

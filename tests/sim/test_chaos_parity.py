@@ -14,7 +14,8 @@ import pytest
 
 from sim.chaos_scenario import run_chaos
 from sim.chaos_schedule import KINDS, ChaosSchedule, ChaosStep, ScheduleError, draw, ring_cables
-from sim.history import Ack, EndState, History, LogSample, ReadOp, judge
+from sim.history import EndState, History, judge
+from sim.observations import Ack, LogSample, ReadOp
 from sim.plants import machine_class_for
 
 ROOT = Path(__file__).resolve().parents[2]

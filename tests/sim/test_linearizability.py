@@ -2,8 +2,9 @@
 histories: each invariant passes a correct history and fails the smallest violating one."""
 from __future__ import annotations
 
-from sim.history import Ack, EndState, History, LogSample, MemberView, ReadOp, check_log, judge
+from sim.history import EndState, History, check_log, judge
 from sim.linearizability import check_reads
+from sim.observations import Ack, LogSample, MemberView, ReadOp
 
 A, B, C = ("a" * 32, 1, True, True), ("b" * 32, 2, True, True), ("c" * 32, 3, True, True)
 ONE = frozenset({A, B, C})
