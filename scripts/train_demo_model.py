@@ -68,7 +68,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 """Plain "User: ... / Assistant:" turns. The template writes its own BOS: p2pmesh sends a
-rendered template as token ids and adds none (p2pmesh/chat_template.py)."""
+rendered template as token ids and adds none (p2pmesh/agent/chat_template.py)."""
 MAX_BYTES = 10 * 1024 * 1024
 """The shipped directory's hard limit (the repository carries it)."""
 FAST_BLAS_ENV = "P2PMESH_DEMO_FAST_BLAS"

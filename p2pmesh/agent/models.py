@@ -1,5 +1,7 @@
 """Models on the agent side (no MLX here): find a model's files, describe it for the planner,
-and measure it on this Mac through a worker process.
+and keep this Mac's copies of models under ``<state dir>/models/`` (tasks/peer_copy.py fills
+them from the other Macs, tasks/fetch.py links Hugging Face downloads into them; the
+measuring is tasks/measure.py).
 
 A model is named by a local directory in the Hugging Face layout or by a Hugging Face id,
 which each Mac resolves on its own (huggingface_hub's cache; nothing is fetched when the
@@ -10,30 +12,20 @@ weight files are not here).
 """
 from __future__ import annotations
 
-import json
-import logging
-import sys
+import hashlib
+import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
-from p2pmesh import model_files
+from p2pmesh.drivers import model_files
 from p2pmesh.core.errors import MeshError
-from p2pmesh.core.machine import ModelMeasured
-from p2pmesh.core.messages import Measure, MeasureFailed, ModelInfo
-from p2pmesh.core.validate import MEASURE_ERROR_CHARS_MAX
+from p2pmesh.core.messages import ModelInfo
 
-if TYPE_CHECKING:
-    from p2pmesh.agent import Agent
 
-log = logging.getLogger("p2pmesh.models")
-
-MEASURE_TIMEOUT_S = 300.0
-"""Timing one layer (the file it needs is fetched before, under FETCH_TIMEOUT_S)."""
-MEASURE_TRIES_MAX = 6
-MEASURE_RETRY_S = 5.0
 FETCH_TIMEOUT_S = 12 * 3600.0
 """A download of a stage's files: hours for a large model on a slow line, never forever."""
 
@@ -102,46 +94,6 @@ def memory_for_share(info: ModelInfo, parts: int) -> int:
     return -(-info.layers // parts) * per_layer + 2 * info.embed_bytes + per_layer // 2
 
 
-async def measure_loop(agent: Agent) -> None:
-    """Whenever the cluster's model changes, measure it here (a short worker run) and
-    publish the result; the leader plans with every member's measurement."""
-    measured: str | None = None
-    failures: dict[str, int] = {}
-    retry_at = 0.0
-    while True:  # for the agent's lifetime
-        m = agent.machine
-        model = m.raft.state.model if m and m.raft else None
-        # Said it cannot load this model: until the model is set again (machine.py drops it).
-        refused = m is not None and isinstance(m.measure, MeasureFailed) and model is not None and m.measure.model == model.name
-        if model is not None and model.name != measured and not refused and trio.current_time() >= retry_at \
-                and failures.get(model.name, 0) < MEASURE_TRIES_MAX:
-            try:
-                measure = await _measure(agent, model.name)
-                limit = agent.config.memory_limit_bytes
-                if limit is not None and measure.memory_bytes > limit:
-                    measure = Measure(measure.model, limit, measure.layer_ms)
-                if agent.config.layer_ms is not None:
-                    measure = Measure(measure.model, measure.memory_bytes, agent.config.layer_ms)
-            except ModelUnloadable as exc:
-                # The cluster hears it at once (core/fit.py): no waiting for retries.
-                retry_at = trio.current_time() + MEASURE_RETRY_S
-                log.warning("cannot load %s here: %s", model.name, exc)
-                await agent.inbox_send.send(ModelMeasured(MeasureFailed(model.name, str(exc)[-MEASURE_ERROR_CHARS_MAX:])))
-            except ModelError as exc:
-                # A peer busy or briefly unreachable, a download that broke off: try again
-                # later (bounded), or this Mac never offers its memory for the model.
-                tries = failures[model.name] = failures.get(model.name, 0) + 1
-                wait = min(MEASURE_RETRY_S * 2 ** (tries - 1), 300.0)
-                retry_at = trio.current_time() + wait
-                log.warning("cannot measure %s here (try %d of %d%s): %s", model.name, tries, MEASURE_TRIES_MAX,
-                            f", again in {wait:.0f} s" if tries < MEASURE_TRIES_MAX else "", exc)
-            else:
-                measured = model.name
-                log.info("measured %s: %.3f ms per layer, %.1f GiB usable", model.name, measure.layer_ms, measure.memory_bytes / 2**30)
-                await agent.inbox_send.send(ModelMeasured(measure))
-        await trio.sleep(0.5)
-
-
 def located(name: str, root: Path | None) -> str:
     """Where this Mac looks for the model the cluster names: under the agent's
     ``--model-root`` for a relative name, else the name itself (a path or a hub id)."""
@@ -158,25 +110,72 @@ async def fetch_in_thread(fetch: Callable[[], Path], what: str) -> Path:
     raise ModelError(f"fetching {what} took more than {FETCH_TIMEOUT_S / 3600:.0f} h")
 
 
-async def _measure(agent: Agent, name: str) -> Measure:
-    from p2pmesh.fetch import ensure_layers
+# ------------------------------------------------------------------------------------
+# This Mac's copies of models (from other Macs, or linked from the Hugging Face cache)
 
-    # The measured layer's files first (this Mac's directory, a copy from another Mac, or a
-    # download), without the measuring bound; then the worker times it from disk.
-    path = await ensure_layers(agent, name, None)
-    cmd = [sys.executable, "-m", "p2pmesh.worker.measure", "--model", str(path)]
-    with trio.move_on_after(MEASURE_TIMEOUT_S) as scope:
-        result = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False)
-    if scope.cancelled_caught:
-        raise ModelError(f"measuring took more than {MEASURE_TIMEOUT_S:.0f} s")
-    lines = result.stderr.decode(errors="replace").strip().splitlines()
-    if result.returncode == 2 and lines and not lines[-1].startswith("measure: ModelUnavailable"):
-        # The worker's "the model is unusable" (worker/measure.py), not a hub out of reach.
-        raise ModelUnloadable(lines[-1].removeprefix("measure: "))
-    if result.returncode != 0:
-        raise ModelError(f"the measuring worker failed: {result.stderr.decode(errors='replace')[-500:]}")
+COPY_DIR = "models"
+
+
+def copy_dir(state_dir: Path, name: str) -> Path:
+    """Where this Mac keeps the model files it copied from others: a readable tail of the
+    name plus a hash, so two names never share a directory."""
+    tail = re.sub(r"[^A-Za-z0-9._-]+", "-", name.strip("/"))[-48:].strip("-.") or "model"
+    return state_dir / COPY_DIR / f"{tail}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+
+
+def prune_copies(state_dir: Path, keep: str) -> list[Path]:
+    """Delete this Mac's copies of every model but ``keep`` (blocking); returns what went.
+    They are p2pmesh's own files, and a model's can be hundreds of GB; a model chosen again
+    is copied again, over Thunderbolt."""
+    wanted = copy_dir(state_dir, keep)
+    gone = []
+    for d in sorted((state_dir / COPY_DIR).glob("*")) if (state_dir / COPY_DIR).is_dir() else []:
+        if d != wanted and d.is_dir() and not d.is_symlink():
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
+def model_dir(name: str, root: Path | None, state_dir: Path) -> str:
+    """What a worker of this Mac loads the model from: its own directory, else its copy
+    (from the other Macs, or linked from the Hugging Face cache), else the name itself."""
+    local = located(name, root)
+    if Path(local).expanduser().is_dir():
+        return local
+    mine = copy_dir(state_dir, name)
+    return str(mine) if (mine / "config.json").is_file() else local
+
+
+def weights_for(directory: Path, layers: tuple[int, int] | None) -> list[str] | None:
+    """The weight files layers [start, end) load (None: the measured layer), from the
+    directory's config and index; None without an index (the one weight file, whatever its name)."""
+    config = model_files.read_config(directory)
+    wm = model_files.weight_map(directory)
+    if wm is None:
+        return None
+    return model_files.files_for_layers(config, wm, *(layers or model_files.measured_layers(config)))
+
+
+def has_layers(directory: Path, layers: tuple[int, int] | None) -> bool:
+    """The directory holds config.json and every weight file those layers load."""
     try:
-        data = json.loads(result.stdout.decode().strip().splitlines()[-1])
-        return Measure(name, int(data["memory_bytes"]), float(data["layer_ms"]))
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise ModelError("the measuring worker printed no result") from None
+        needed = weights_for(directory, layers)
+    except (model_files.ModelFilesError, OSError, ValueError):
+        return False
+    if needed is None:
+        return any(directory.glob("*.safetensors"))
+    return all((directory / f).is_file() for f in needed)
+
+
+def link_snapshot(snapshot: Path, dest: Path) -> None:
+    """Make ``dest`` show a Hugging Face snapshot's files (symlinks; blocking), so this Mac
+    loads, and serves to the others, one directory whatever each file came from."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in snapshot.iterdir():
+        target = dest / f.name
+        if f.is_file() and not target.exists():
+            target.unlink(missing_ok=True)  # a dangling link from an evicted cache entry
+            try:
+                target.symlink_to(f.resolve())
+            except FileExistsError:  # linked meanwhile by another fetch of the same model
+                pass
