@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import ssl
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import trio
@@ -161,6 +161,20 @@ async def probes(view: ClusterView, inbox: Inbox, config: ProbeConfig) -> None:
             await view.changed(snapshot.version, timeout_s=max(0.0, last_probe + PROBE_PERIOD_S - trio.current_time()))
 
 
+async def _ring_epochs(view: ClusterView) -> AsyncIterator[tuple[Snapshot, ClusterState]]:
+    """Each committed ring epoch once, with the snapshot that brought it, for the agent's
+    lifetime (woken by the view: no period)."""
+    last_epoch = -1
+    seen = -1
+    while True:
+        snapshot = await view.changed(seen)
+        seen = snapshot.version
+        state = snapshot.state
+        if state is not None and state.ring_epoch != last_epoch:
+            last_epoch = state.ring_epoch
+            yield snapshot, state
+
+
 async def warn_bridges(view: ClusterView) -> None:
     """After every ring change, warn (once per distinct warning) when a bridge joins this
     Mac's ring cables (macOS's Thunderbolt Bridge does by default): a loop that can flood
@@ -170,27 +184,20 @@ async def warn_bridges(view: ClusterView) -> None:
 
     platform = "darwin" if sys.platform == "darwin" else "linux"
     said: set[str] = set()
-    last_epoch = -1
-    seen = -1
-    while True:  # for the agent's lifetime; wakes on each new snapshot
-        snapshot = await view.changed(seen)
-        seen = snapshot.version
-        state = snapshot.state
-        if state is not None and state.ring_epoch != last_epoch:
-            last_epoch = state.ring_epoch
-            me = snapshot.node_id
-            mine = {h.src_interface for h in state.ring_hops if h.src == me and h.src_interface}
-            mine |= {h.dst_interface for h in state.ring_hops if h.dst == me and h.dst_interface}
-            if mine:
-                try:
-                    bridges = await gather_bridges()
-                except NetconfigError as exc:
-                    log.debug("cannot list bridges: %s", exc)
-                    bridges = {}
-                for warning in bridge_warnings(bridges, mine, platform=platform):
-                    if warning not in said:
-                        said.add(warning)
-                        log.warning("%s", warning)
+    async for snapshot, state in _ring_epochs(view):
+        me = snapshot.node_id
+        mine = {h.src_interface for h in state.ring_hops if h.src == me and h.src_interface}
+        mine |= {h.dst_interface for h in state.ring_hops if h.dst == me and h.dst_interface}
+        if mine:
+            try:
+                bridges = await gather_bridges()
+            except NetconfigError as exc:
+                log.debug("cannot list bridges: %s", exc)
+                bridges = {}
+            for warning in bridge_warnings(bridges, mine, platform=platform):
+                if warning not in said:
+                    said.add(warning)
+                    log.warning("%s", warning)
 
 
 async def configure_links(view: ClusterView) -> None:
@@ -200,25 +207,18 @@ async def configure_links(view: ClusterView) -> None:
 
     platform = "darwin" if sys.platform == "darwin" else "linux"
     done: set[tuple[str, ...]] = set()
-    last_epoch = -1
-    seen = -1
-    while True:  # for the agent's lifetime; wakes on each new snapshot
-        snapshot = await view.changed(seen)
-        seen = snapshot.version
-        state = snapshot.state
-        if state is not None and state.ring_epoch != last_epoch:
-            last_epoch = state.ring_epoch
-            present = {port.interface: port.ipv4 for port in snapshot.ports}
+    async for snapshot, state in _ring_epochs(view):
+        present = {port.interface: port.ipv4 for port in snapshot.ports}
+        try:
+            commands = commands_for(snapshot.node_id, plan_addresses(state.ring_hops), platform, present=present)
+        except AddressingError as exc:
+            log.warning("cannot plan data-plane addresses: %s", exc)
+            commands = []
+        todo = [c for c in commands if tuple(c) not in done]
+        if todo:
+            log.info("configuring ring links (--configure-links): %s", "; ".join(" ".join(c) for c in todo))
             try:
-                commands = commands_for(snapshot.node_id, plan_addresses(state.ring_hops), platform, present=present)
-            except AddressingError as exc:
-                log.warning("cannot plan data-plane addresses: %s", exc)
-                commands = []
-            todo = [c for c in commands if tuple(c) not in done]
-            if todo:
-                log.info("configuring ring links (--configure-links): %s", "; ".join(" ".join(c) for c in todo))
-                try:
-                    await apply(todo)
-                    done.update(tuple(c) for c in todo)
-                except NetconfigError as exc:
-                    log.warning("could not configure a ring link: %s", exc)
+                await apply(todo)
+                done.update(tuple(c) for c in todo)
+            except NetconfigError as exc:
+                log.warning("could not configure a ring link: %s", exc)
