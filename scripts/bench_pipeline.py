@@ -205,7 +205,7 @@ def main() -> int:
         tcp_echo(a.tcp_echo, a.bytes, a.hops)
         return 0
 
-    from scripts.make_tiny_model import make_tiny_model
+    from tests.fixtures.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
         work = Path(tmp)

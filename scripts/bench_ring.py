@@ -23,17 +23,15 @@ is what can delay a heartbeat.
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchlib import cpu, parser, row, table, write_json  # noqa: E402
 from p2pmesh.core.machine import Machine  # noqa: E402
 from p2pmesh.core.raft import Role  # noqa: E402
 from p2pmesh.core.ring import KINDS, Link, solve  # noqa: E402
@@ -71,9 +69,8 @@ def cluster_graph(rng: random.Random) -> tuple[list[str], list[Link]]:
 
 
 def timed(nodes: list[str], links: list[Link]) -> tuple[float, bool]:
-    t = time.process_time()
-    ring = solve(nodes, links)
-    return (time.process_time() - t) * 1000, ring.exact
+    ring, took = cpu(lambda: solve(nodes, links))
+    return took * 1000, ring.exact
 
 
 class _TimedMachine(Machine):
@@ -82,9 +79,7 @@ class _TimedMachine(Machine):
     steps: list[tuple[float, bool]] = []  # (seconds, a ring solve was in progress after it)
 
     def handle(self, event, now_ms):  # type: ignore[no-untyped-def]
-        started = time.process_time()
-        ready = super().handle(event, now_ms)
-        took = time.process_time() - started
+        ready, took = cpu(lambda: Machine.handle(self, event, now_ms))
         if self.raft is not None and self.raft.role is Role.LEADER:
             _TimedMachine.steps.append((took, self.duties.ring_solving is not None))
         return ready
@@ -151,45 +146,40 @@ def leader_replans(seeds: int, pulls: int) -> dict:
             "max_solving_steps": max(solving_steps, default=0)}
 
 
+def _ring_row(raw: dict, base: float, label: str, runs: list[tuple[float, bool]]) -> None:
+    ms = [r[0] for r in runs]
+    exact = sum(1 for r in runs if r[1])
+    row(label, f"{statistics.median(ms):.2f}", f"{max(ms):.1f}", f"{exact}/{len(runs)}", f"{statistics.median(ms) / base:.1f}")
+    raw["rows"].append({"label": label, "median_ms": statistics.median(ms), "max_ms": max(ms), "exact": exact, "graphs": len(runs)})
+
+
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = parser(__doc__)
     p.add_argument("--graphs", type=int, default=50)
     p.add_argument("--family-graphs", type=int, default=60, help="graphs per LAN-cluster row")
     p.add_argument("--leader-seeds", type=int, default=6, help="simulated 16-Mac clusters for the leader rows")
-    p.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     args = p.parse_args()
     rng = random.Random(2026)
     base = statistics.median(timed(*graph(rng, 0, False))[0] for _ in range(args.graphs))
     raw: dict = {"graphs": args.graphs, "bare_ring_median_ms": base, "rows": []}
-    print("| 16 nodes | median ms | max ms | exact | ratio to bare ring |")
-    print("|---|---|---|---|---|")
-    print(f"| bare Thunderbolt ring (baseline) | {base:.2f} | | | 1.0 |")
+    table("16 nodes", "median ms", "max ms", "exact", "ratio to bare ring")
+    row("bare Thunderbolt ring (baseline)", f"{base:.2f}", "", "", "1.0")
     for label, extra, dense in (("+8 links", 8, False), ("+16 links", 16, False), ("+32 links", 32, False), ("dense Ethernet/Wi-Fi mesh", 0, True)):
         runs = [timed(*graph(rng, extra, dense)) for _ in range(args.graphs)]
         ms = [r[0] for r in runs]
         exact = sum(1 for r in runs if r[1])
-        print(f"| {label} | {statistics.median(ms):.2f} | {max(ms):.1f} | {exact}/{len(runs)} | {statistics.median(ms) / base:.1f} |")
-        raw["rows"].append({"label": label, "median_ms": statistics.median(ms), "max_ms": max(ms), "exact": exact, "graphs": len(runs)})
+        _ring_row(raw, base, label, runs)
     runs = [timed(*cluster_graph(rng)) for _ in range(args.graphs)]
-    ms = [r[0] for r in runs]
-    exact = sum(1 for r in runs if r[1])
-    print(f"| cluster graph: Thunderbolt islands + network paths | {statistics.median(ms):.2f} | {max(ms):.1f} | {exact}/{len(runs)} | {statistics.median(ms) / base:.1f} |")
-    raw["rows"].append({"label": "cluster graph: Thunderbolt islands + network paths", "median_ms": statistics.median(ms), "max_ms": max(ms),
-                        "exact": exact, "graphs": len(runs)})
+    _ring_row(raw, base, "cluster graph: Thunderbolt islands + network paths", runs)
     for label, lan_rtt in (("LAN cluster: <= 5 Thunderbolt cables per Mac + 10 GbE mesh", False),
                            ("LAN cluster, an RTT per Ethernet pair", True)):
-        runs = [timed(*lan_cluster(seed, lan_rtt=lan_rtt)) for seed in range(args.family_graphs)]
-        ms = [r[0] for r in runs]
-        exact = sum(1 for r in runs if r[1])
-        print(f"| {label} | {statistics.median(ms):.2f} | {max(ms):.1f} | {exact}/{len(runs)} | {statistics.median(ms) / base:.1f} |")
-        raw["rows"].append({"label": label, "median_ms": statistics.median(ms), "max_ms": max(ms), "exact": exact, "graphs": len(runs)})
+        _ring_row(raw, base, label, [timed(*lan_cluster(seed, lan_rtt=lan_rtt)) for seed in range(args.family_graphs)])
     leader = leader_replans(args.leader_seeds, 3)
     raw["leader"] = leader
     print(f"\nleader, 16 simulated Macs, {leader['replans']} re-plans after a cable pull: longest Machine.handle() "
           f"{leader['max_step_ms']:.1f} ms (median of the per-re-plan maxima {leader['median_max_step_ms']:.1f} ms); "
           f"a solve spanned up to {leader['max_solving_steps']} steps")
-    if args.json:
-        Path(args.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
+    write_json(args.json, raw)
     return 0
 
 

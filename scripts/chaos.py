@@ -689,8 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="p2pmesh-chaos-"))
     model_dir: Path | None = None if args.model is None else args.model.resolve()
     if args.tiny_model:
-        sys.path.insert(0, str(ROOT / "scripts"))
-        from make_tiny_model import make_tiny_model
+        from tests.fixtures.tiny_model import make_tiny_model
 
         model_dir = root / "tiny-llama"
         make_tiny_model(model_dir, family="llama", layers=6, hidden=64, seed=TINY_MODEL_SEED)

@@ -52,13 +52,12 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "scripts" / "demo_model"
-CORPUS_FILE = "corpus.txt"
+sys.path.insert(0, str(REPO))
+
+from tests.fixtures.demo_model import CORPUS_FILE, DEMO_MODEL_DIR, DEMO_PROMPTS, MAX_BYTES  # noqa: E402
+
+DEFAULT_OUT = DEMO_MODEL_DIR
 CORPUS_SOURCES = ("README.md", "docs/*.md")
-DEMO_PROMPTS = ("The Macs form a ring", "The ring", "A ring needs", "A pipeline", "The leader", "Every Mac", "A Mac")
-"""Prompts that begin sentences of the corpus, whose greedy continuations the script
-prints and writes into the README; the first is the one the demo and
-tests/worker/test_demo_model.py use (it says what the demo shows, in about 40 tokens)."""
 SAMPLE_TOKENS = 48
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -69,8 +68,6 @@ CHAT_TEMPLATE = (
 )
 """Plain "User: ... / Assistant:" turns. The template writes its own BOS: p2pmesh sends a
 rendered template as token ids and adds none (p2pmesh/agent/chat_template.py)."""
-MAX_BYTES = 10 * 1024 * 1024
-"""The shipped directory's hard limit (the repository carries it)."""
 FAST_BLAS_ENV = "P2PMESH_DEMO_FAST_BLAS"
 """Set in the re-executed process to the BLAS it runs on, so it does not re-execute again."""
 
@@ -247,7 +244,7 @@ def train_tokenizer(paragraphs: list[str], vocab: int) -> Any:
     picks its BPE streaming detokenizer; <s> prepended like Llama's), trained on the corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from scripts.make_tiny_model import SPECIAL_TOKENS
+    from tests.fixtures.tiny_model import SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -312,7 +309,7 @@ def build_model(shape: Shape, tok: Any) -> tuple[Any, dict[str, Any]]:
     MLX's initialisers (seeded by the caller)."""
     from mlx_lm.models.llama import Model, ModelArgs
 
-    from scripts.make_tiny_model import model_config
+    from tests.fixtures.tiny_model import model_config
 
     config = model_config("llama", shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.intermediate,
                           tok.get_vocab_size(), True, "float16", tok.token_to_id("<s>"), tok.token_to_id("</s>"))
@@ -408,7 +405,7 @@ def write_weights(out: Path, model: Any, dtype: str) -> int:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from scripts.make_tiny_model import write_weights as write_safetensors
+    from tests.fixtures.tiny_model import write_weights as write_safetensors
 
     weights = {name: p.astype(getattr(mx, dtype)) for name, p in tree_flatten(model.parameters())}
     write_safetensors(out, weights, shards=1)
@@ -568,5 +565,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     sys.exit(main())

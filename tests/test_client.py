@@ -51,12 +51,12 @@ PUBLIC_API = {
     "open_client", "connect", "AsyncClient", "Client", "AsyncGeneration", "Generation",
     "Agent",
     "Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "LoadProgress",
-    "LoadedModel", "GenerationResult", "Event", "EventKind", "fallback_chat_prompt",
+    "LoadedModel", "ModelInfo", "GenerationResult", "Event", "EventKind", "fallback_chat_prompt",
     "P2PMeshError", "AgentNotRunning", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError",
     "ModelRefused", "ModelDoesNotFit", "ModelCannotLoad", "PlacementProblem",
 }
 VALUES = {"Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "LoadProgress",
-          "LoadedModel", "GenerationResult", "Event", "PlacementProblem"}
+          "LoadedModel", "ModelInfo", "GenerationResult", "Event", "PlacementProblem"}
 ERRORS = {"AgentNotRunning", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "ModelRefused", "ModelDoesNotFit",
           "ModelCannotLoad"}
 

@@ -11,8 +11,7 @@ The agent is a scripted Unix socket here: each connection gets the next scripted
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,62 +21,17 @@ import trio
 import p2pmesh
 from p2pmesh.core import protocol, wire
 from p2pmesh.core.protocol import ERRORS, ErrorCode
+from tests.fixtures.control_socket import control_sockets, scripted  # noqa: F401 (a fixture)
 
 STATUS = {"node_id": "a" * 32, "pid": 1, "cluster_id": "c1", "role": "leader", "term": 1, "leader": "a" * 32,
           "commit_index": 3, "applied_index": 3, "healthy": True, "members": [],
           "placement": {"epoch": 1, "model": "m", "stages": [{"node_id": "a" * 32, "layers": [0, 4]}], "serving": True}}
 
 
-class ScriptedAgent:
-    """A control socket that answers connection i with the lines `answer(request)` gives."""
-
-    def __init__(self, path: Path, answer: Callable[[dict[str, Any]], list[dict[str, Any]]]) -> None:
-        import socket
-
-        self.path = path
-        self.answer = answer
-        self.requests: list[dict[str, Any]] = []
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        self.sock.listen(8)
-        self.sock.settimeout(0.2)
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            with conn, conn.makefile("rb") as lines:
-                conn.settimeout(5)
-                request = json.loads(lines.readline())
-                self.requests.append(request)
-                try:
-                    conn.sendall(b"".join(json.dumps(line).encode() + b"\n" for line in self.answer(request)))
-                except OSError:
-                    pass
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.thread.join(5)
-        self.sock.close()
-
-
 @pytest.fixture
-def agent_at(tmp_path: Path) -> Iterator[Callable[[Callable[[dict[str, Any]], list[dict[str, Any]]]], Path]]:
-    agents: list[ScriptedAgent] = []
-
-    def start(answer: Callable[[dict[str, Any]], list[dict[str, Any]]]) -> Path:
-        path = tmp_path / f"agent{len(agents)}.sock"
-        agents.append(ScriptedAgent(path, answer))
-        return path
-
-    yield start
-    for a in agents:
-        a.stop()
+def agent_at(control_sockets: Any) -> Callable[[Callable[[dict[str, Any]], list[dict[str, Any]]]], Path]:
+    """Start a fake agent answering each request with the lines `answer(request)` gives."""
+    return lambda answer: control_sockets(scripted(answer)).path
 
 
 def _refusing(op: str, refusal: dict[str, Any]) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:

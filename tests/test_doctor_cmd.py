@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from p2pmesh.cli import doctor_cmd
-from p2pmesh.core.doctor import CHECK_NAMES
 from p2pmesh.drivers.keys import write_key
+from p2pmesh.platform.doctor import CHECK_NAMES
 from tests.agent.harness import AgentProc, control_status, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

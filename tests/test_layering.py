@@ -2,6 +2,8 @@
 
 - p2pmesh/core is pure: no sockets, threads, processes, clocks, zeroconf, trio, asyncio
   or MLX, no calls on the module-level random generator, and no imports from outside core.
+- p2pmesh/platform (the parsers of this computer's tools) is pure in the same way and
+  imports only core and itself; core and sim never import it.
 - sim/ imports only p2pmesh.core (and itself): it runs the core, never the drivers.
 - Only the worker package may import MLX.
 - The CLI (p2pmesh/cli/) is the top layer: nothing else in p2pmesh/ or sim/ imports it.
@@ -46,17 +48,28 @@ def _imports(path: Path) -> list[tuple[str, int]]:
     return found
 
 
-@pytest.mark.parametrize("path", _modules("p2pmesh/core"), ids=lambda p: p.name)
-def test_core_is_pure(path: Path) -> None:
+PURE = {"p2pmesh/core": ("p2pmesh.core",), "p2pmesh/platform": ("p2pmesh.core", "p2pmesh.platform")}
+"""The pure packages, each with the packages it may import."""
+PURE_MODULES = [(folder, path) for folder in PURE for path in _modules(folder)]
+
+
+def _pure_id(case: tuple[str, Path]) -> str:
+    return str(case[1].relative_to(ROOT / "p2pmesh"))
+
+
+@pytest.mark.parametrize("case", PURE_MODULES, ids=_pure_id)
+def test_core_and_platform_are_pure(case: tuple[str, Path]) -> None:
+    folder, path = case
     for name, line in _imports(path):
         top = name.split(".")[0]
-        assert top not in CORE_FORBIDDEN, f"{path.name}:{line} imports {name} (core must stay pure)"
+        assert top not in CORE_FORBIDDEN, f"{folder}/{path.name}:{line} imports {name} ({folder} must stay pure)"
         if top == "p2pmesh":
-            assert name.startswith("p2pmesh.core"), f"{path.name}:{line} imports {name} upward from core"
+            assert name.startswith(PURE[folder]), f"{folder}/{path.name}:{line} imports {name}: it may import only {PURE[folder]}"
 
 
-@pytest.mark.parametrize("path", _modules("p2pmesh/core"), ids=lambda p: p.name)
-def test_core_never_uses_the_global_random_generator(path: Path) -> None:
+@pytest.mark.parametrize("case", PURE_MODULES, ids=_pure_id)
+def test_core_and_platform_never_use_the_global_random_generator(case: tuple[str, Path]) -> None:
+    _, path = case
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         if (
@@ -89,6 +102,7 @@ def test_the_layering_test_sees_the_modules() -> None:
     # Guard against a refactor that moves files and silently makes the checks vacuous.
     names = {p.name for p in _modules("p2pmesh/core")}
     assert {"raft.py", "machine.py", "wire.py", "messages.py"} <= names
+    assert {"doctor.py", "service_unit.py", "thunderbolt.py", "linux_links.py"} <= {p.name for p in _modules("p2pmesh/platform")}
     graph = _import_graph()
     assert {"p2pmesh.cli.app", "p2pmesh.cli.service_cmd", "p2pmesh.cli.agent_cmd", "sim.world"} <= set(graph)
     assert {"p2pmesh.cli.service_cmd", "p2pmesh.cli.status_cmd"} <= graph["p2pmesh.cli.app"]
@@ -256,3 +270,11 @@ def test_only_the_runtime_names_the_agent_class() -> None:
                 offenders += [f"{where}:{line}" for line in _imports_the_agent_class(path)]
     assert not offenders, f"these import the Agent class (give them ports: agent/ports.py): {offenders}"
     assert _imports_the_agent_class(ROOT / "p2pmesh" / "client" / "embedded.py"), "the check sees no import at all"
+
+
+def test_the_cli_and_the_client_talk_to_the_agent_only_through_the_client() -> None:
+    """drivers/control.py is the agent's side of the control socket: the CLI asks the agent
+    through client/ (one set of typed errors), and client/ speaks the protocol itself."""
+    for module, imported in _import_graph().items():
+        if module.startswith(("p2pmesh.cli", "p2pmesh.client")):
+            assert "p2pmesh.drivers.control" not in imported, f"{module} imports p2pmesh.drivers.control: use p2pmesh.client"

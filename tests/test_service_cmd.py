@@ -22,7 +22,7 @@ import pytest
 
 from p2pmesh.cli import service_cmd
 from p2pmesh.cli.service_cmd import Host
-from tests.core.test_service_unit import LAUNCHCTL_RUNNING, SYSTEMCTL_NOT_FOUND, SYSTEMCTL_RUNNING
+from tests.platform.test_service_unit import LAUNCHCTL_RUNNING, SYSTEMCTL_NOT_FOUND, SYSTEMCTL_RUNNING
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 120

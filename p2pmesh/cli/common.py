@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, EXIT_NOT_READY = 0, 1, 2, 3
+STATUS_TIMEOUT_S = 30.0
+"""How long status, members and ring wait for the agent's answer (it answers in
+milliseconds; a loaded machine may take longer)."""
 
 
 def add_state_dir(sp: argparse.ArgumentParser) -> None:
@@ -49,13 +52,10 @@ def failed(message: object, code: int) -> int:
 def read_status(args: argparse.Namespace) -> dict[str, Any] | None:
     """The asked agent's `status` object, or None once the reason it could not be read was
     said on stderr (exit EXIT_UNAVAILABLE)."""
-    from p2pmesh.client import locate_socket
-    from p2pmesh.drivers.control import ControlError, request
+    from p2pmesh import client
 
-    path, _ = locate_socket(socket_of(args))
     try:
-        status: dict[str, Any] = request(path, "status", timeout_s=30.0)["status"]
-    except ControlError as exc:
+        return client.Client(socket_of(args)).status_object(timeout=STATUS_TIMEOUT_S)
+    except client.P2PMeshError as exc:
         failed(exc, EXIT_UNAVAILABLE)
         return None
-    return status

@@ -5,7 +5,7 @@
 
 This is the driver half. It gathers facts: bounded commands through drivers/linkwatch.run_tool,
 a sysfs snapshot, /proc/meminfo, the agent's control socket and a zeroconf round trip. It hands
-them to p2pmesh/core/doctor.py, which judges. Every command has a timeout (system_profiler gets
+them to p2pmesh/platform/doctor*.py, which judge. Every command has a timeout (system_profiler gets
 three times --timeout-s, it is slow) and every network wait is bounded (mDNS at most 3 s). A
 missing tool turns its check into "skip"; a check that crashes becomes a "fail" naming the bug,
 never a traceback. Nothing on the machine is changed; the throwaway mDNS service is withdrawn
@@ -28,48 +28,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from p2pmesh.core import advert
-from p2pmesh.core.doctor import (
-    CHECK_NAMES,
-    REPORT_FIX,
-    Check,
-    MdnsProbe,
-    Output,
-    SeenAdvert,
-    check_agent,
-    check_mdns,
-    check_memory_linux,
-    check_memory_macos,
-    check_mlx,
-    exit_code,
-    render_text,
-    report_json,
-    skipped,
-)
-from p2pmesh.core.doctor_links import (
-    LinkFacts,
-    LinuxFacts,
-    MacFacts,
-    check_addresses,
-    check_bridge,
-    check_rdma,
-    check_thunderbolt,
-    usable_interfaces,
-)
-from p2pmesh.core.doctor_firewall import (
-    FIREWALL_TOOL,
-    MacFirewallFacts,
-    check_firewall_linux,
-    check_firewall_macos,
-    firewall_app_path,
-)
-from p2pmesh.core.thunderbolt import CaptureError
 from p2pmesh.drivers.linkwatch import (
     IBV_DEVICES_ARGV,
     IFCONFIG_ARGV,
@@ -80,6 +44,36 @@ from p2pmesh.drivers.linkwatch import (
     read_sysfs,
     run_tool,
 )
+from p2pmesh.platform.doctor import (
+    CHECK_NAMES,
+    REPORT_FIX,
+    Check,
+    Output,
+    exit_code,
+    render_text,
+    report_json,
+    skipped,
+)
+from p2pmesh.platform.doctor_cluster import MdnsProbe, SeenAdvert, check_agent, check_mdns
+from p2pmesh.platform.doctor_firewall import (
+    FIREWALL_TOOL,
+    MacFirewallFacts,
+    check_firewall_linux,
+    check_firewall_macos,
+    firewall_app_path,
+)
+from p2pmesh.platform.doctor_host import check_memory_linux, check_memory_macos, check_mlx
+from p2pmesh.platform.doctor_links import (
+    LinkFacts,
+    LinuxFacts,
+    MacFacts,
+    check_addresses,
+    check_bridge,
+    check_rdma,
+    check_thunderbolt,
+    usable_interfaces,
+)
+from p2pmesh.platform.thunderbolt import CaptureError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 TIMEOUT_S_DEFAULT = 10.0
@@ -302,19 +296,18 @@ async def _link_facts(timeout_s: float) -> LinkFacts:
 
 
 async def _agent_status(socket: Path, timeout_s: float) -> tuple[dict[str, Any] | None, str | None]:
-    from p2pmesh.drivers.control import ControlError, request
+    """The agent's status object, or why there is none (None: no agent runs there, which
+    the check says itself)."""
+    from p2pmesh.client import AgentNotRunning, AsyncClient, P2PMeshError
 
-    answer = None
     with trio.move_on_after(timeout_s + 1.0):
         try:
-            answer = await trio.to_thread.run_sync(partial(request, socket, "status", timeout_s=timeout_s),
-                                                   abandon_on_cancel=True)
-        except ControlError as exc:
+            return await AsyncClient(socket).status_object(timeout=timeout_s), None
+        except AgentNotRunning:
+            return None, None
+        except P2PMeshError as exc:
             return None, str(exc)
-    if answer is None:
-        return None, f"the agent at {socket} did not answer within {timeout_s:g} s"
-    status = answer.get("status")
-    return (status, None) if isinstance(status, dict) else (None, "the agent's answer has no status object")
+    return None, f"the agent at {socket} did not answer within {timeout_s:g} s"
 
 
 async def _mlx(opts: Options) -> Check:

@@ -5,7 +5,7 @@
   p2pmesh links apply [--yes]  [--status-file FILE] [--state-dir DIR]
 
 `parse` reads files only (it never runs system_profiler itself), so a capture from another
-Mac, or a bug report, can be checked anywhere; the parsing lives in p2pmesh.core.thunderbolt.
+Mac, or a bug report, can be checked anywhere; the parsing lives in p2pmesh.platform.thunderbolt.
 
 `plan` reads the committed ring (from the running agent, or a saved `p2pmesh status --json`)
 and prints the exact commands this Mac would run to give its ring cables their addresses
@@ -37,8 +37,8 @@ from p2pmesh.core.addressing import (
     ring_from_status,
     unaddressed_hops,
 )
-from p2pmesh.core.thunderbolt import CaptureError, local_ports, to_json
 from p2pmesh.drivers import netconfig
+from p2pmesh.platform.thunderbolt import CaptureError, local_ports, to_json
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -219,12 +219,12 @@ def _status(args: argparse.Namespace) -> Any:
             raise _Refused(f"{args.status_file} is not a JSON status (save one with `p2pmesh status --json`): {exc}") from None
     # The agent owns where its state and socket live; ask it rather than restating the rule.
     from p2pmesh.agent import AgentConfig, default_state_dir
-    from p2pmesh.drivers.control import ControlError, request
+    from p2pmesh.client import Client, P2PMeshError
 
     state_dir = args.state_dir if args.state_dir is not None else default_state_dir()
     try:
-        return request(AgentConfig(state_dir=state_dir).socket_path, "status")["status"]
-    except ControlError as exc:
+        return Client(AgentConfig(state_dir=state_dir).socket_path).status_object()
+    except P2PMeshError as exc:
         hint = ""
         if args.state_dir is None and os.environ.get("SUDO_USER") and os.geteuid() == 0:
             hint = (" (under sudo the default state directory is root's: pass --state-dir, or save "

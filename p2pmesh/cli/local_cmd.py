@@ -26,13 +26,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 NODES_MAX = 16
 START_TIMEOUT_S = 60.0
 POLL_S = 0.2
+MODEL_TIMEOUT_S = 3600.0
+"""--model: how long the agent may take to accept the model (it may download it first)."""
 
 
 def add_parser(subparsers: Any) -> None:
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, root: Path, nodes: list[Node]) -> int:
     """Start the agents, report them, wait for one cluster, then until asked to stop."""
-    from p2pmesh.drivers.control import ControlError, request
+    from p2pmesh.client import Client, P2PMeshError
 
     procs: list[subprocess.Popen[bytes]] = []
     stopping = False
@@ -191,8 +193,8 @@ def _serve(args: argparse.Namespace, root: Path, nodes: list[Node]) -> int:
                     print(f"p2pmesh: agent {node.index} exited with {p.returncode}; see {root / f'agent{node.index}.log'}", file=sys.stderr)
                     return 1
                 try:
-                    status = request(node.state_dir / "agent.sock", "status", timeout_s=2.0)["status"]
-                except ControlError:
+                    status = Client(node.state_dir / "agent.sock").status_object(timeout=2.0)
+                except P2PMeshError:
                     statuses.append(None)
                     continue
                 statuses.append(status)
@@ -210,10 +212,13 @@ def _serve(args: argparse.Namespace, root: Path, nodes: list[Node]) -> int:
             return 1
         print(json.dumps({"ready": True}) if args.json else f"ready: one cluster of {args.nodes} (Ctrl-C stops it)", flush=True)
         if args.model:
-            from p2pmesh.client import model_name
-
-            answer = request(nodes[0].state_dir / "agent.sock", "model", timeout_s=3600.0, name=model_name(args.model))
-            print(json.dumps({"model": answer.get("model")}) if args.json else f"serving {args.model}", flush=True)
+            try:
+                model = Client(nodes[0].state_dir / "agent.sock").set_model(args.model, timeout=MODEL_TIMEOUT_S)
+            except P2PMeshError as exc:
+                print(f"p2pmesh: {exc}", file=sys.stderr)
+                return 1
+            said = {"model": asdict(model) if model else None}
+            print(json.dumps(said) if args.json else f"serving {args.model}", flush=True)
         while not stopping and all(p.poll() is None for p in procs):
             time.sleep(POLL_S)
         return 0

@@ -162,19 +162,17 @@ class ProgressReport:
 def _model(args: argparse.Namespace, cluster: api.Client) -> int:
     # `model set` commits the choice and returns (the placement follows): one request,
     # the same op `load` starts with.
-    from p2pmesh.drivers.control import ControlError, request
-
-    fields: dict[str, Any] = {"name": None}
-    if args.model_command == "set":
-        fields = {"name": api.model_name(args.name), "context_tokens": args.context_tokens}
     try:
-        answer = request(cluster.socket_path, "model", timeout_s=600.0, **fields)
-    except ControlError as exc:
+        if args.model_command == "set":
+            model = cluster.set_model(args.name, context_tokens=args.context_tokens)
+        else:
+            model = cluster.set_model(None)
+    except api.P2PMeshError as exc:
+        # Any refusal exits 1 here (load tells a bad model, 2, from a cluster not ready, 3).
         print(f"p2pmesh: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    model = answer.get("model")
     # The op returns once the agent proposed the choice, before it commits: say so.
-    print(f"asked the cluster to serve {model['name']} ({model['layers']} layers); `p2pmesh load` waits until "
+    print(f"asked the cluster to serve {model.name} ({model.layers} layers); `p2pmesh load` waits until "
           "it serves, `p2pmesh status` shows the placement" if model else "asked the cluster to serve no model")
     return EXIT_OK
 

@@ -3,7 +3,7 @@
 
 Only namespaces and links this module created are touched; every name carries a per-run
 prefix and everything is deleted on close. Needs root and iproute2. Cables carry the
-ifalias markers the Linux link watcher reads as Thunderbolt ports (core/linux_links.py),
+ifalias markers the Linux link watcher reads as Thunderbolt ports (platform/linux_links.py),
 so agents pair the cable ends by domain UUID exactly as on Macs.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from p2pmesh.core.linux_links import bench_alias, bench_lan_alias
+from p2pmesh.platform.linux_links import bench_alias, bench_lan_alias
 
 IP_TIMEOUT_S = 10
 

@@ -13,11 +13,13 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2pmesh.agent.tasks import pairing
 from p2pmesh.cli.common import add_target, socket_of
+
+if TYPE_CHECKING:
+    from p2pmesh.client import Client
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 JOIN_WAIT_S = 60.0
@@ -41,8 +43,7 @@ def _digits(code: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from p2pmesh.client import locate_socket
-    from p2pmesh.drivers.control import ControlError, stream
+    from p2pmesh import client
 
     if not 1 <= args.timeout <= pairing.WINDOW_S_MAX:
         print(f"p2pmesh: --timeout must be 1 to {pairing.WINDOW_S_MAX:.0f} seconds", file=sys.stderr)
@@ -50,17 +51,16 @@ def run(args: argparse.Namespace) -> int:
     if args.yes_if_code is not None and len(_digits(args.yes_if_code)) != 6:
         print("p2pmesh: --yes-if-code takes the six digits the other Mac shows", file=sys.stderr)
         return EXIT_USAGE
-    path, _ = locate_socket(socket_of(args))
+    agent = client.Client(socket_of(args))
     final: dict[str, Any] = {}
     try:
-        for event in stream(path, "pair", idle_timeout_s=args.timeout + 30, reply=lambda e: _answer(args, e),
-                            join=args.join, timeout_s=args.timeout):
+        for event in agent.pair(window=args.timeout, answer=lambda e: _answer(args, e), join=args.join):
             if args.json:
                 print(json.dumps(event), flush=True)
             else:
                 _say(event)
             final = event
-    except ControlError as exc:
+    except client.P2PMeshError as exc:
         print(f"p2pmesh: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if not final.get("paired"):
@@ -68,18 +68,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"p2pmesh: not paired: {final.get('error', 'the pairing ended')}", file=sys.stderr)
         return EXIT_FAILED
     if args.join:
-        return _wait_to_join(path, final, args.json)
+        return _wait_to_join(agent, final, args.json)
     return EXIT_OK
 
 
-def _answer(args: argparse.Namespace, event: dict[str, Any]) -> dict[str, Any]:
+def _answer(args: argparse.Namespace, event: dict[str, Any]) -> bool:
     code = str(event.get("code", ""))
     if args.yes_if_code is not None:
-        return {"same_code": _digits(args.yes_if_code) == _digits(code)}
+        return _digits(args.yes_if_code) == _digits(code)
     if not args.json:
         print("Same code on the other Mac? [y/N] ", end="", flush=True)
     line = sys.stdin.readline()
-    return {"same_code": line.strip().lower() in ("y", "yes")}
+    return line.strip().lower() in ("y", "yes")
 
 
 def _say(event: dict[str, Any]) -> None:
@@ -102,17 +102,17 @@ def _say(event: dict[str, Any]) -> None:
             print(f"Paired with Mac {str(event.get('peer'))[:8]}: the agent restarts into its cluster...", flush=True)
 
 
-def _wait_to_join(path: Path, final: dict[str, Any], as_json: bool) -> int:
+def _wait_to_join(agent: Client, final: dict[str, Any], as_json: bool) -> int:
     """After the key arrived the agent restarts; wait (bounded) until it is in one cluster
     with the Mac that gave the key."""
-    from p2pmesh.drivers.control import ControlError, request
+    from p2pmesh.client import P2PMeshError
 
     peer = final.get("peer")
     deadline = time.monotonic() + JOIN_WAIT_S
     while time.monotonic() < deadline:
         try:
-            status = request(path, "status", timeout_s=5.0)["status"]
-        except ControlError:
+            status = agent.status_object(timeout=5.0)
+        except P2PMeshError:  # restarting: no socket for a moment
             status = {}
         if peer in {m.get("node_id") for m in status.get("members", [])}:
             members = len(status.get("members", []))

@@ -9,7 +9,7 @@ macOS: a LaunchAgent, ``~/Library/LaunchAgents/dev.p2pmesh.agent.plist``, loaded
 Linux: a ``systemd --user`` unit, ``$XDG_CONFIG_HOME/systemd/user/p2pmesh.service``, enabled
 and (re)started with ``systemctl --user``; output goes to the journal.
 
-The file contents come from p2pmesh.core.service_unit; this module finds the paths, writes
+The file contents come from p2pmesh.platform.service_unit; this module finds the paths, writes
 the file atomically and runs launchctl or systemctl, each call bounded by a timeout. When
 the service manager is missing or refuses, the written file stays, and the message says what
 failed and which commands to run by hand. See docs/service.md. cli/app.py calls add_parser/run;
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from p2pmesh.cli import agent_cmd
-from p2pmesh.core.service_unit import (
+from p2pmesh.platform.service_unit import (
     DEFAULT_LABEL,
     STOP_TIMEOUT_S,
     SYSTEMD_PROPERTIES,

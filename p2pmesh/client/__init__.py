@@ -6,7 +6,8 @@ The package, one concept a module:
 - errors.py: the typed errors (those an agent's answer maps to are defined with their codes
   in core/protocol.py, the one table of codes, HTTP statuses and client errors);
 - steps.py: the sans-I/O steps and the socket-level plans (ask, a generation's stream);
-- plans.py: every operation as one plan (status, load with progress, generate, chat, watch);
+- plans.py: every operation as one plan (status, the model op, load with progress, generate,
+  chat, watch, leave, pair);
 - drivers.py: where the agent is, and the trio and blocking drivers that run the plans;
 - api.py: AsyncClient / open_client and Client / connect with their generations: thin
   shells that hand the same plans to their driver, so sync and async cannot drift apart;
@@ -41,6 +42,7 @@ from p2pmesh.client.plans import (
     DEFAULT_CONTEXT_TOKENS,
     LOAD_TIMEOUT_S,
     MODEL_RESEND_S,
+    MODEL_TIMEOUT_S,
     POLL_S,
     QUORUM_TIMEOUT_S,
     model_name,
@@ -55,6 +57,7 @@ from p2pmesh.client.values import (
     LoadedModel,
     LoadProgress,
     Member,
+    ModelInfo,
     PendingPlacement,
     Placement,
     Port,
@@ -85,6 +88,7 @@ __all__ = [
     "Member",
     "ModelCannotLoad",
     "ModelDoesNotFit",
+    "ModelInfo",
     "ModelNotLoaded",
     "ModelRefused",
     "NoQuorum",
@@ -102,6 +106,6 @@ __all__ = [
 ]
 
 # Not in __all__ (not the documented API) but importable as before: the CLI and tests use them.
-_ALSO = (DEFAULT_CONTEXT_TOKENS, LINE_BYTES_MAX, LOAD_TIMEOUT_S, MODEL_RESEND_S, POLL_S, QUORUM_TIMEOUT_S,
-         REQUEST_TIMEOUT_S, SOCKET_ENV, SOCKET_NAME, STREAM_IDLE_TIMEOUT_S, MeshError, locate_socket, model_name,
+_ALSO = (DEFAULT_CONTEXT_TOKENS, LINE_BYTES_MAX, LOAD_TIMEOUT_S, MODEL_RESEND_S, MODEL_TIMEOUT_S, POLL_S,
+         QUORUM_TIMEOUT_S, REQUEST_TIMEOUT_S, SOCKET_ENV, SOCKET_NAME, STREAM_IDLE_TIMEOUT_S, MeshError, locate_socket, model_name,
          _chat_prompt, _check_messages, _diff, _load_progress, _model_directory, _refused, _status)

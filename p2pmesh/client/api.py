@@ -11,9 +11,10 @@ from typing import Any, Self
 
 from p2pmesh.client import plans
 from p2pmesh.client.drivers import AsyncDriver, SyncDriver, locate_socket
-from p2pmesh.client.plans import DEFAULT_CONTEXT_TOKENS, LOAD_TIMEOUT_S, POLL_S, QUORUM_TIMEOUT_S
-from p2pmesh.client.steps import Decoder, Plan, generation
-from p2pmesh.client.values import Event, GenerationResult, LoadedModel, LoadProgress, Member, Placement, Ring, Status
+from p2pmesh.client.plans import DEFAULT_CONTEXT_TOKENS, LOAD_TIMEOUT_S, MODEL_TIMEOUT_S, POLL_S, QUORUM_TIMEOUT_S
+from p2pmesh.client.steps import REQUEST_TIMEOUT_S, Decoder, Plan, generation
+from p2pmesh.client.values import Event, GenerationResult, LoadedModel, LoadProgress, Member, ModelInfo, Placement, Ring
+from p2pmesh.client.values import Status
 from p2pmesh.core.protocol import AgentError
 
 
@@ -82,6 +83,11 @@ class AsyncClient(_Base):
         """This agent's view right now (no waiting: `healthy` says whether it has a cluster)."""
         return await self._driver().run(plans.status())
 
+    async def status_object(self, *, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+        """The agent's status as the JSON object it sent (what `p2pmesh status --json` prints:
+        every field, also those `Status` does not type)."""
+        return await self._driver().run(plans.status_object(timeout))
+
     async def members(self) -> tuple[Member, ...]:
         """The cluster's members (waits up to quorum_timeout for a working cluster)."""
         return (await self._driver().run(plans.healthy(self.quorum_timeout))).members
@@ -100,6 +106,13 @@ class AsyncClient(_Base):
         """Serve `model` (a local directory or a Hugging Face id) cluster-wide and wait until
         it serves. `on_progress` is called with each new LoadProgress."""
         return await self._driver().run(plans.load(model, context_tokens, timeout, self.quorum_timeout, on_progress))
+
+    async def set_model(self, model: str | os.PathLike[str] | None, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+                        timeout: float = MODEL_TIMEOUT_S) -> ModelInfo | None:
+        """Ask the cluster to serve `model` (None: no model) and return once the agent
+        proposed it, before it commits and long before it serves (`load` waits for that):
+        the model as the agent described it, None for no model."""
+        return await self._driver().run(plans.set_model(model, context_tokens, timeout))
 
     def generate(self, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0) -> AsyncGeneration:
@@ -120,6 +133,14 @@ class AsyncClient(_Base):
     async def leave(self, *, timeout: float = 90.0) -> bool:
         """Leave the cluster gracefully; the agent then exits. True once the cluster confirmed."""
         return await self._driver().run(plans.leave(timeout))
+
+    def pair(self, *, window: float, answer: Callable[[dict[str, Any]], bool],
+             join: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """Pair over a cable (docs/pairing.md): let a Mac in, or with `join` get the key of
+        the Mac at the other end. Yields the agent's events (JSON objects) until the final
+        one (`paired`, or `error`); `answer(event)` (run in a thread: it may ask a person)
+        answers an event with a "question": True only if both Macs show its code."""
+        return self._driver().iterate(plans.pair(join, window, answer))
 
 
 class AsyncGeneration(_Stream):
@@ -195,6 +216,9 @@ class Client(_Base):
     def status(self) -> Status:
         return self._driver().run(plans.status())
 
+    def status_object(self, *, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+        return self._driver().run(plans.status_object(timeout))
+
     def members(self) -> tuple[Member, ...]:
         return self._driver().run(plans.healthy(self.quorum_timeout)).members
 
@@ -207,6 +231,10 @@ class Client(_Base):
     def load(self, model: str | os.PathLike[str], *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
              timeout: float = LOAD_TIMEOUT_S, on_progress: Callable[[LoadProgress], None] | None = None) -> LoadedModel:
         return self._driver().run(plans.load(model, context_tokens, timeout, self.quorum_timeout, on_progress))
+
+    def set_model(self, model: str | os.PathLike[str] | None, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+                  timeout: float = MODEL_TIMEOUT_S) -> ModelInfo | None:
+        return self._driver().run(plans.set_model(model, context_tokens, timeout))
 
     def generate(self, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0) -> Generation:
@@ -221,6 +249,10 @@ class Client(_Base):
 
     def leave(self, *, timeout: float = 90.0) -> bool:
         return self._driver().run(plans.leave(timeout))
+
+    def pair(self, *, window: float, answer: Callable[[dict[str, Any]], bool],
+             join: bool = False) -> Iterator[dict[str, Any]]:
+        return self._driver().iterate(plans.pair(join, window, answer))
 
 
 class Generation(_Stream):

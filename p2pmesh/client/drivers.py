@@ -106,8 +106,10 @@ class SyncDriver:
             try:
                 step.conn.sendall(step.data)
             except OSError as exc:
+                if step.best_effort:
+                    return False
                 raise _not_taken(step, exc) from None
-            return None
+            return True
         if isinstance(step, Connect):
             s = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
             s.settimeout(REQUEST_TIMEOUT_S)
@@ -197,10 +199,14 @@ class AsyncDriver:
                 with trio.fail_after(REQUEST_TIMEOUT_S):
                     await step.conn.send_all(step.data)
             except trio.TooSlowError:
+                if step.best_effort:
+                    return False
                 raise _not_taken(step, TimeoutError(f"not within {REQUEST_TIMEOUT_S:g} s")) from None
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                if step.best_effort:
+                    return False
                 raise _not_taken(step, exc.__cause__ or exc) from None
-            return None
+            return True
         if isinstance(step, Connect):
             try:
                 stream = await trio.open_unix_socket(str(self.path))

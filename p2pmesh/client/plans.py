@@ -1,7 +1,8 @@
 """The client's operations as sans-I/O plans (client/steps.py has the steps and the
-socket-level plans): status, waiting for a working cluster, loading a model with its
-progress, the checks before a generation, a chat prompt, watch and leave. AsyncClient and
-Client run these very generators, so their behaviour is one.
+socket-level plans): status (typed, or the agent's JSON object), waiting for a working
+cluster, the model op and loading a model with its progress, the checks before a
+generation, a chat prompt, watch, leave and pairing's conversation. AsyncClient and Client
+run these very generators, so their behaviour is one.
 """
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from typing import Any
 
 from p2pmesh.client.chat import chat_prompt, check_messages
 from p2pmesh.client.events import diff
-from p2pmesh.client.steps import REQUEST_TIMEOUT_S, Blocking, Clock, Emit, Plan, Sleep, ask, ask_answer
-from p2pmesh.client.values import LoadedModel, LoadProgress, Placement, Status, formed, newest_epoch, parse_status
+from p2pmesh.client.steps import EOF_, REQUEST_TIMEOUT_S, Blocking, Clock, Close, Connect, Emit, Lines, Plan, Send, Sleep
+from p2pmesh.client.steps import ask, ask_answer, checked, encode, read_line
+from p2pmesh.client.values import LoadedModel, LoadProgress, ModelInfo, Placement, Status, formed, newest_epoch
+from p2pmesh.client.values import parse_model, parse_status
 from p2pmesh.core import protocol
 from p2pmesh.core.protocol import AgentError, BadRequest, ModelNotLoaded, NoQuorum, refused
 
@@ -22,15 +25,25 @@ QUORUM_TIMEOUT_S = 30.0
 or joins a cluster within a second or two; a cut-off minority goes standalone after 3 s."""
 LOAD_TIMEOUT_S = 600.0
 POLL_S = 0.2
+MODEL_TIMEOUT_S = 600.0
+"""How long set_model waits for the agent's answer: it may first download the model."""
 MODEL_RESEND_S = 5.0
 """A model proposal can be lost when leadership moves before it commits; send it again if
 the cluster has not committed it after this long (the model op is idempotent)."""
 DEFAULT_CONTEXT_TOKENS = protocol.CONTEXT_TOKENS_DEFAULT
 
 
+def status_object(timeout_s: float = REQUEST_TIMEOUT_S) -> Plan[dict[str, Any]]:
+    """The agent's status JSON object as it sent it (what `p2pmesh status --json` prints)."""
+    answer = yield from ask_answer({"op": "status"}, timeout_s)
+    st = answer.get("status")
+    if not isinstance(st, dict):
+        raise AgentError("the agent's answer has no status object")
+    return st
+
+
 def status() -> Plan[Status]:
-    answer = yield from ask_answer({"op": "status"}, REQUEST_TIMEOUT_S)
-    return parse_status(answer.get("status"))
+    return parse_status((yield from status_object()))
 
 
 def healthy(timeout_s: float) -> Plan[Status]:
@@ -51,25 +64,42 @@ def healthy(timeout_s: float) -> Plan[Status]:
         yield Sleep(POLL_S)
 
 
-def model_set(name: str, context_tokens: int, deadline: float) -> Plan[dict[str, Any]]:
-    """Send the model op (the agent may first download the model: it allows that hours).
-    A connection that closes unanswered (the agent restarted) is retried until the
-    deadline; a finished download is in the cache for the next try."""
+def _model_request(name: str | None, context_tokens: int) -> dict[str, Any]:
+    return {"op": "model", "name": name, "context_tokens": context_tokens}
+
+
+def _accepted(answer: dict[str, Any]) -> ModelInfo | None:
+    model = answer.get("model")
+    return None if model is None else parse_model(model)
+
+
+def set_model(model: str | os.PathLike[str] | None, context_tokens: int, timeout_s: float) -> Plan[ModelInfo | None]:
+    """The model op, once: the cluster is asked to serve `model` (None: no model). Returns
+    once the agent proposed the choice, before it commits (the agent may first download the
+    model: it allows that hours)."""
+    name = None if model is None else model_name(model)
+    answer = yield from ask_answer(_model_request(name, context_tokens), timeout_s)
+    info = _accepted(answer)
+    if name is not None and info is None:
+        raise AgentError("the agent accepted the model but did not describe it")
+    return info
+
+
+def model_set(name: str, context_tokens: int, deadline: float) -> Plan[ModelInfo]:
+    """`set_model` for `load`: a connection that closes unanswered (the agent restarted) is
+    retried until the deadline; a finished download is in the cache for the next try."""
     while True:
         now = yield Clock()
-        answer = yield from ask({"op": "model", "name": name, "context_tokens": context_tokens}, max(1.0, deadline - now),
-                                eof_ok=True)
+        answer = yield from ask(_model_request(name, context_tokens), max(1.0, deadline - now), eof_ok=True)
         if answer is not None:
-            model = answer.get("model")
-            if not isinstance(model, dict):
+            info = _accepted(answer)
+            if info is None:
                 raise AgentError("the agent accepted the model but did not describe it")
-            return model
+            return info
         now = yield Clock()
         if now >= deadline:
             raise ModelNotLoaded(f"the agent did not accept {name} in time (it was still resolving or downloading it)")
         yield Sleep(POLL_S)
-
-
 
 
 def load_progress(name: str, p: Placement | None, floor: int, same: bool) -> LoadProgress:
@@ -122,8 +152,7 @@ def load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, q
                 on_progress(progress)
         if progress.done:
             assert st.placement is not None
-            return LoadedModel(str(info.get("name", name)), int(info.get("layers", 0)), int(info.get("layer_bytes", 0)),
-                               int(info.get("context_tokens", context_tokens)), st.placement)
+            return LoadedModel(info.name, info.layers, info.layer_bytes, info.context_tokens, st.placement)
         now = yield Clock()
         if now >= deadline:
             raise ModelNotLoaded(f"{name} is not serving after {timeout_s:g} s: {progress.stage}, {progress.detail}")
@@ -203,3 +232,29 @@ def leave(timeout_s: float) -> Plan[bool]:
     # its deadline has `left` but not `confirmed`); older agents answer `left` alone.
     return bool(answer.get("confirmed", answer.get("left")))
 
+
+PAIR_IDLE_GRACE_S = 30.0
+"""A pairing's events may pause for its whole window (waiting for the other Mac) and then
+some: the connection fails only after the window and this grace without a line."""
+
+
+def pair(join: bool, window_s: float, answer: Callable[[dict[str, Any]], bool]) -> Plan[None]:
+    """`p2pmesh pair`'s conversation (docs/pairing.md): emit each of the agent's events (its
+    JSON objects) until the final one. An event with a "question" is answered, once it was
+    emitted, with `answer(event)` (blocking work: it may ask a person): True only for a clear
+    yes."""
+    conn = yield Connect()
+    yield Send(conn, encode({"op": "pair", "join": join, "timeout_s": window_s}), "the pair request")
+    lines = Lines()
+    while True:
+        event = yield from read_line(conn, lines, window_s + PAIR_IDLE_GRACE_S, "pairing")
+        if event is EOF_:
+            raise AgentError("the agent closed the pairing before its end (did it stop?)")
+        event = checked(event, "pair")
+        yield Emit(event)
+        if event.get("final"):
+            yield Close(conn)
+            return
+        if event.get("question"):
+            same = yield Blocking(lambda: answer(event))
+            yield Send(conn, encode({"same_code": same is True}), "the answer", best_effort=True)

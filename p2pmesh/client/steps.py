@@ -44,6 +44,10 @@ class Send:
     data: bytes
     what: str
     """For the error when the agent does not take the bytes ("the status request")."""
+    best_effort: bool = False
+    """A connection the agent already closed is no error: the value is whether the bytes
+    went (a conversation's answer, when the agent ended it first: its last line is still
+    to read)."""
 
 
 @dataclass(frozen=True)

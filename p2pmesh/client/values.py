@@ -174,6 +174,17 @@ class LoadProgress:
 
 
 @dataclass(frozen=True)
+class ModelInfo:
+    """A model the agent accepted (the model op's answer, before the cluster commits it);
+    the fields in the agent's order, so `dataclasses.asdict` is its JSON object."""
+
+    name: str
+    layers: int
+    layer_bytes: int
+    context_tokens: int
+
+
+@dataclass(frozen=True)
 class LoadedModel:
     name: str
     layers: int
@@ -272,6 +283,14 @@ def _placement(d: Mapping[str, Any]) -> Placement:
         if pending else None,
         PlacementProblem.from_json(d["problem"]) if d.get("problem") else None,
     )
+
+
+def parse_model(d: Any) -> ModelInfo:
+    """The model op's description of the model it accepted."""
+    try:
+        return ModelInfo(str(d["name"]), int(d.get("layers", 0)), int(d.get("layer_bytes", 0)), int(d["context_tokens"]))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise AgentError("the agent accepted the model but did not describe it") from None
 
 
 def parse_status(d: Any) -> Status:

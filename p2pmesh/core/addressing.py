@@ -421,40 +421,45 @@ def local_conflicts(node_id: str, assignments: Iterable[Assignment],
 # Bridges and local addresses
 
 
+def _ifconfig_blocks(text: str) -> list[tuple[str, list[str]]]:
+    """macOS ``ifconfig`` output as (interface, the lines below its header), in order; lines
+    before the first header belong to no interface and are dropped."""
+    blocks: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        header = _IFCONFIG_HEADER.match(line)
+        if header:
+            blocks.append((header.group(1), []))
+        elif blocks:
+            blocks[-1][1].append(line)
+    return blocks
+
+
 def parse_ifconfig_bridge_members(text: str) -> dict[str, list[str]]:
     """Bridges and their member interfaces from macOS ``ifconfig`` or ``ifconfig bridgeN``
     output. An interface counts as a bridge when it lists members or is named bridgeN."""
     bridges: dict[str, list[str]] = {}
-    current: str | None = None
-    for line in text.splitlines():
-        header = _IFCONFIG_HEADER.match(line)
-        if header:
-            current = header.group(1)
-            if re.fullmatch(r"bridge[0-9]+", current):
-                bridges.setdefault(current, [])
-            continue
-        member = _IFCONFIG_MEMBER.match(line)
-        if member and current is not None:
-            members = bridges.setdefault(current, [])
-            if member.group(1) not in members:
-                members.append(member.group(1))
+    for iface, lines in _ifconfig_blocks(text):
+        if re.fullmatch(r"bridge[0-9]+", iface):
+            bridges.setdefault(iface, [])
+        for line in lines:
+            member = _IFCONFIG_MEMBER.match(line)
+            if member:
+                members = bridges.setdefault(iface, [])
+                if member.group(1) not in members:
+                    members.append(member.group(1))
     return bridges
 
 
 def parse_ifconfig_ipv4(text: str) -> dict[str, tuple[str, ...]]:
     """Interface -> IPv4 addresses with prefix ("10.25.0.1/24") from macOS ``ifconfig``."""
     found: dict[str, list[str]] = {}
-    current: str | None = None
-    for line in text.splitlines():
-        header = _IFCONFIG_HEADER.match(line)
-        if header:
-            current = header.group(1)
-            continue
-        inet = _IFCONFIG_INET.match(line)
-        if inet and current is not None:
-            mask = inet.group(2)
-            bits = int(mask, 16).bit_count() if mask.startswith("0x") else ipaddress.IPv4Network(f"0.0.0.0/{mask}").prefixlen
-            found.setdefault(current, []).append(f"{inet.group(1)}/{bits}")
+    for iface, lines in _ifconfig_blocks(text):
+        for line in lines:
+            inet = _IFCONFIG_INET.match(line)
+            if inet:
+                mask = inet.group(2)
+                bits = int(mask, 16).bit_count() if mask.startswith("0x") else ipaddress.IPv4Network(f"0.0.0.0/{mask}").prefixlen
+                found.setdefault(iface, []).append(f"{inet.group(1)}/{bits}")
     return {k: tuple(v) for k, v in found.items()}
 
 

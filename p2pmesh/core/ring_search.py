@@ -47,6 +47,20 @@ Cost = tuple[int, float, int]
 """(slow hops, bottleneck Gb/s, latency in 1e-9 ms) of a prefix or a ring."""
 
 
+def _cheapest_ends(by_lat: list[tuple[int, int]], reach: int, ends: int) -> tuple[int, int]:
+    """The costs of the ``ends`` (1 or 2) cheapest ends of a node's hop list (sorted by
+    cost) that lead into ``reach`` (a node bitmask): (first, second), -1 where there is none."""
+    first = -1
+    for cost, u in by_lat:
+        if reach >> u & 1:
+            if first >= 0:
+                return first, cost
+            if ends == 1:
+                return cost, -1
+            first = cost
+    return first, -1
+
+
 @dataclass(frozen=True, slots=True)
 class Pair:
     """One usable hop between two node indices, as the search sees it."""
@@ -124,6 +138,21 @@ class _Bounds:
         self.fast_by_lat = [[(c, j) for c, j, slow in priced[i] if not slow] for i in range(size)]
         self.slow_by_lat = [[(c, j) for c, j, slow in priced[i] if slow] for i in range(size)]
         self._lat_memo = {}
+
+    def may_finish(self, v: int, rest: int, s: int, bn: float, lat: int, ref: Cost, *, ties: bool) -> bool:
+        """Whether a ring finishing this prefix (standing on v, ``s`` slow hops, bottleneck
+        ``bn``, latency ``lat``) may be better than ``ref``, or as good with ``ties``: False
+        only when these bounds show that every one is worse (the value pass prunes what
+        cannot improve on its best, the tie-break what cannot reach the best value)."""
+        slow_more = self.slow_to_come(v, rest, s)
+        s_lb = s + slow_more
+        if s_lb != ref[0]:
+            return s_lb < ref[0]
+        bn_ub = min(bn, self.bottleneck(v, rest, slow_more > 0))
+        if bn_ub != ref[1]:
+            return bn_ub > ref[1]
+        lat_lb = lat + self.latency(v, rest, slow_more)
+        return lat_lb <= ref[2] if ties else lat_lb < ref[2]
 
     def slow_to_come(self, v: int, rest: int, s: int) -> int:
         """At least this many slow hops after a prefix with ``s`` of them, standing on v."""
@@ -215,25 +244,9 @@ class _Bounds:
                 ends, reach = 2, allowed
                 entered += self.min_in[x]
             penalty += ends * (2 * self.pi[x] + self.shift)
-            f1 = f2 = s1 = s2 = -1  # the two cheapest Thunderbolt and slow ends (-1: none)
-            for cost, u in fast_by_lat[x]:
-                if reach >> u & 1:
-                    if f1 < 0:
-                        f1 = cost
-                        if ends == 1:
-                            break
-                    else:
-                        f2 = cost
-                        break
-            for cost, u in slow_by_lat[x]:
-                if reach >> u & 1:
-                    if s1 < 0:
-                        s1 = cost
-                        if ends == 1:
-                            break
-                    else:
-                        s2 = cost
-                        break
+            # the two cheapest Thunderbolt and slow ends (-1: none)
+            f1, f2 = _cheapest_ends(fast_by_lat[x], reach, ends)
+            s1, s2 = _cheapest_ends(slow_by_lat[x], reach, ends)
             # The node's cost with as few slow ends as it can, and the extra cost of each
             # further slow end (increasing: the cost is convex in their number).
             if ends == 1:
@@ -646,23 +659,11 @@ class _Value:
                 return
             if self.budget.take():
                 yield
-            if self.best is not None and not self._may_improve(j, crest, cs, cbn, clat):
+            if self.best is not None and not self.bounds.may_finish(j, crest, cs, cbn, clat, self.best, ties=False):
                 continue
             self.path.append(j)
             yield from self._expand(j, mask | (1 << j), cs, cbn, clat, child_need)
             self.path.pop()
-
-    def _may_improve(self, v: int, rest: int, s: int, bn: float, lat: int) -> bool:
-        best = self.best
-        assert best is not None
-        slow_more = self.bounds.slow_to_come(v, rest, s)
-        s_lb = s + slow_more
-        if s_lb != best[0]:
-            return s_lb < best[0]
-        bn_ub = min(bn, self.bounds.bottleneck(v, rest, slow_more > 0))
-        if bn_ub != best[1]:
-            return bn_ub > best[1]
-        return lat + self.bounds.latency(v, rest, slow_more) < best[2]
 
 
 class _TieBreak:
@@ -696,7 +697,7 @@ class _TieBreak:
             return False
         if self.budget.take():
             yield
-        if not self._may_reach(v, rest, s, bn, lat):
+        if not self.bounds.may_finish(v, rest, s, bn, lat, self.target, ties=True):
             return False
         hop_v = self.hop[v]
         for j in self.neighbours[v]:
@@ -711,15 +712,3 @@ class _TieBreak:
                 return False
         _remember(self.failed, key, s, bn, lat)
         return False
-
-    def _may_reach(self, v: int, rest: int, s: int, bn: float, lat: int) -> bool:
-        """False when every finished ring would be worse than the target."""
-        target = self.target
-        slow_more = self.bounds.slow_to_come(v, rest, s)
-        s_lb = s + slow_more
-        if s_lb != target[0]:
-            return s_lb < target[0]
-        bn_ub = min(bn, self.bounds.bottleneck(v, rest, slow_more > 0))
-        if bn_ub != target[1]:
-            return bn_ub > target[1]
-        return lat + self.bounds.latency(v, rest, slow_more) <= target[2]

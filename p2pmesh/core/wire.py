@@ -259,12 +259,8 @@ def _bad(why: str) -> None:
 
 def _value_decoder(hint: Any, where: str) -> Callable[[Any], Any]:
     hint = _unwrap_newtype(hint)
-    if hint is bool:
-        def check_bool(v: Any) -> bool:
-            if type(v) is not bool:
-                raise RemoteProtocolError(f"{where}: expected bool")
-            return v
-        return check_bool
+    if hint is bool or hint is bytes:
+        return _exact_type_checker(hint, where)
     if hint is int:
         def check_int(v: Any) -> int:
             if type(v) is not int or not INT_MIN <= v <= INT_MAX:
@@ -283,12 +279,6 @@ def _value_decoder(hint: Any, where: str) -> Callable[[Any], Any]:
                 raise RemoteProtocolError(f"{where}: expected a string of at most {STR_LEN_MAX} characters")
             return v
         return check_str
-    if hint is bytes:
-        def check_bytes(v: Any) -> bytes:
-            if type(v) is not bytes:
-                raise RemoteProtocolError(f"{where}: expected bytes")
-            return v
-        return check_bytes
     origin = typing.get_origin(hint)
     if origin is tuple:
         args = typing.get_args(hint)
@@ -321,6 +311,16 @@ def _value_decoder(hint: Any, where: str) -> Callable[[Any], Any]:
     if hint in _tag_of:
         return _tagged_checker(where, (hint,), False)
     raise LocalProtocolError(f"{where}: no wire schema for {hint!r}")
+
+
+def _exact_type_checker(kind: type, where: str) -> Callable[[Any], Any]:
+    """A value of exactly ``kind`` (bool, bytes), passed through as it is: no subclass, no
+    conversion (an int is not a bool on the wire)."""
+    def check_exact(v: Any) -> Any:
+        if type(v) is not kind:
+            raise RemoteProtocolError(f"{where}: expected {kind.__name__}")
+        return v
+    return check_exact
 
 
 def _tagged_checker(where: str, allowed: tuple[type, ...], optional: bool) -> Callable[[Any], Any]:

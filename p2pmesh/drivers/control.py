@@ -1,7 +1,7 @@
-"""The local control socket: a Unix socket in the state directory that the CLI and the
-client API use to talk to the agent. One JSON request line in; one JSON response line out,
-or for a streaming op (``generate``) one JSON line per event until a line with
-``"final": true``. Requests are bounded in size and time (a stream: in time between events).
+"""The local control socket, the agent's side: a Unix socket in the state directory that
+the CLI and programs reach through p2pmesh/client. One JSON request line in; one JSON
+response line out, or for a streaming op (``generate``) one JSON line per event until a
+line with ``"final": true``. Requests are bounded in size and time (a stream: in time between events).
 Ops: ``status``, ``model``, ``leave``, ``generate``, ``pair`` (a conversation: the
 user answers the code question on the same connection), and for the chaos tool's history
 (scripts/chaos.py) ``members`` (the committed membership, a linearizable ReadIndex read by
@@ -244,6 +244,12 @@ async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:
             await agent.left.wait()
         return {"ok": True, "left": agent.left.is_set(), **agent.leave_outcome()}
     return error_answer(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
+
+
+# ----------------------------------------------------------------------------------------
+# A bare line client, for tests of the raw protocol (ops and fields the typed client does
+# not offer: members, log, token-id prompts) and the tools in scripts/ (chaos tells an
+# answer from a timeout by it). The CLI and programs use p2pmesh/client instead.
 
 
 def stream(path: Path, op: str, *, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,

@@ -1,7 +1,7 @@
 """The link watcher: find this host's ports (PortInfo) and report when they change.
 
 ``detect_ports`` gathers the raw facts and hands them to the pure parsers in
-core/linux_links.py:
+platform/linux_links.py:
 - Linux: a bounded snapshot of sysfs (see linux_links for its format) plus
   ``ip -j -4 addr show``. Both are cheap, so the watcher can poll every second.
 - macOS: ``system_profiler SPThunderboltDataType -json`` (slow, about a second: poll it
@@ -26,9 +26,9 @@ from pathlib import Path
 import trio
 
 from p2pmesh.core.errors import MeshError
-from p2pmesh.core.linux_links import linux_ports, macos_ports
 from p2pmesh.core.messages import PortInfo
-from p2pmesh.core.thunderbolt import CaptureError
+from p2pmesh.platform.linux_links import linux_ports, macos_ports
+from p2pmesh.platform.thunderbolt import CaptureError
 
 log = logging.getLogger("p2pmesh.linkwatch")
 

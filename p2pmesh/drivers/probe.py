@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import trio
 
 from p2pmesh.core.errors import MeshError, RemoteProtocolError
-from p2pmesh.drivers.streams import recv_exactly
+from p2pmesh.drivers.streams import recv_exactly, remote_name
 from p2pmesh.drivers.tls import dial_member, peer_node_id
 from p2pmesh.drivers.transport import HANDSHAKE_TIMEOUT_S
 
@@ -115,7 +115,7 @@ class _Server:
     connections cannot flood the log."""
 
     async def session(self, stream: trio.SocketStream) -> None:
-        remote = _remote_name(stream)
+        remote = remote_name(stream)
         try:
             self.slots.acquire_nowait()  # the borrower is this handler's own task
         except trio.WouldBlock:
@@ -156,14 +156,6 @@ async def _answer(tls: trio.SSLStream[trio.SocketStream]) -> None:
             raise RemoteProtocolError(f"connection closed with {left} bulk bytes missing")
         left -= len(chunk)
     await tls.send_all(_ACK.pack(bulk))
-
-
-def _remote_name(stream: trio.SocketStream) -> str:
-    try:
-        host, port = stream.socket.getpeername()[:2]
-        return f"[{host}]:{port}"
-    except OSError:
-        return "?"
 
 
 # ----------------------------------------------------------------------------------

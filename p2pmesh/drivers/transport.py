@@ -33,6 +33,7 @@ from p2pmesh.core.errors import RemoteProtocolError
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.machine import FrameReceived, Input, PeerDiscovered
 from p2pmesh.core.wire import FRAME_BYTES_MAX
+from p2pmesh.drivers.streams import remote_name
 from p2pmesh.drivers.tls import peer_node_id
 
 log = logging.getLogger("p2pmesh.transport")
@@ -121,7 +122,7 @@ class Transport:
         async with listener:
             while True:
                 stream = await listener.accept()
-                ip = _remote_name(stream).rsplit(":", 1)[0]
+                ip = remote_name(stream).rsplit(":", 1)[0]
                 if len(self.conns) >= CONNECTIONS_MAX or self.pending.get(ip, 0) >= HANDSHAKES_PER_ADDRESS_MAX:
                     await trio.aclose_forcefully(stream)
                     continue
@@ -208,7 +209,7 @@ class Transport:
         _end_on_dead_path(stream.socket)
         ctx = self.client_ctx if dialed else self.server_ctx
         tls = trio.SSLStream(stream, ctx, server_side=not dialed, server_hostname=None if not dialed else "p2pmesh")
-        remote = _remote_name(stream)
+        remote = remote_name(stream)
         ip = remote.rsplit(":", 1)[0]
         self.pending[ip] = self.pending.get(ip, 0) + 1
         try:
@@ -328,10 +329,4 @@ def _end_on_dead_path(sock: Any) -> None:
             pass
 
 
-def _remote_name(stream: trio.SocketStream) -> str:
-    try:
-        host, port = stream.socket.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "?"
 

@@ -18,9 +18,8 @@ WAIT_STEP_S = 0.1
 
 
 def make_model(out: Path, **options: Any) -> Path:
-    """A tiny random-weight model made by scripts/make_tiny_model.py (its options)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_tiny_model import make_tiny_model
+    """A tiny random-weight model (tests/fixtures/tiny_model.py; its options)."""
+    from tests.fixtures.tiny_model import make_tiny_model
 
     return make_tiny_model(out, **options)
 

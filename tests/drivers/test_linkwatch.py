@@ -20,9 +20,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from p2pmesh.core.linux_links import bench_alias
 from p2pmesh.core.messages import PortInfo
-from p2pmesh.core.thunderbolt import CaptureError
 from p2pmesh.drivers.linkwatch import (
     SYSFS_FILE_BYTES_MAX,
     ToolError,
@@ -31,6 +29,8 @@ from p2pmesh.drivers.linkwatch import (
     run_tool,
     watch,
 )
+from p2pmesh.platform.linux_links import bench_alias
+from p2pmesh.platform.thunderbolt import CaptureError
 from tests.agent.harness import ROOT
 from tests.agent.netns import Bench, ip, require_root
 

@@ -19,10 +19,10 @@ import pytest
 from p2pmesh.agent import chat_template
 from p2pmesh.worker.checkpoint import locate
 from p2pmesh.worker.model import load_shard
-from scripts.train_demo_model import CORPUS_FILE, DEFAULT_OUT, DEMO_PROMPTS, MAX_BYTES
+from tests.fixtures.demo_model import CORPUS_FILE, DEMO_MODEL_DIR, DEMO_PROMPTS, MAX_BYTES
 from tests.worker.test_pipeline_generation import greedy_reference
 
-MODEL = DEFAULT_OUT
+MODEL = DEMO_MODEL_DIR
 PROMPT = DEMO_PROMPTS[0]
 TOKENS = 30
 SPLITS = {"3 agents": [(0, 2), (2, 4), (4, 6)], "2 agents": [(0, 3), (3, 6)]}

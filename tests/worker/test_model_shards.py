@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from p2pmesh.core.model_spec import layer_index
 from p2pmesh.worker.checkpoint import locate
 from p2pmesh.worker.model import BadStage, ModelNotFound, ModelUnavailable, UnsupportedModel, load_shard, resolve_model
-from scripts.make_tiny_model import make_tiny_model
+from tests.fixtures.tiny_model import make_tiny_model
 
 ATOL, RTOL = 1e-4, 1e-4
 """float32 logits of a few units: the shards run the same kernels on the same values, but

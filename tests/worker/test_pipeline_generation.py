@@ -17,7 +17,7 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
-from scripts.make_tiny_model import make_tiny_model
+from tests.fixtures.tiny_model import make_tiny_model
 from tests.worker.worker_cluster import Cluster
 
 LAYERS = 8

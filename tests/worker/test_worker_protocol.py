@@ -13,7 +13,7 @@ from p2pmesh.worker import protocol
 from p2pmesh.worker.pipeline import OP_SAMPLE, Header, PipelineError
 from p2pmesh.worker.sampling import SamplingParams, sample, step_key_seed
 from p2pmesh.worker.serve import LineTooLong, read_line
-from scripts.make_tiny_model import make_tiny_model
+from tests.fixtures.tiny_model import make_tiny_model
 
 
 def test_a_generate_command_is_parsed_with_defaults() -> None:

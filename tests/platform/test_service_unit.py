@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from p2pmesh.core.errors import LocalProtocolError
-from p2pmesh.core.service_unit import (
+from p2pmesh.platform.service_unit import (
     DEFAULT_LABEL,
     ServiceOutputError,
     ServiceSpec,

@@ -1,7 +1,7 @@
 """`p2pmesh doctor`'s link checks (pure): Thunderbolt ports and cables, the cables' IPv4
 addresses, bridges over them (macOS's Thunderbolt Bridge) and RDMA, judged from the raw
 outputs the driver gathered (MacFacts on a Mac, LinuxFacts on Linux). The framework they
-report in (Output, Finding, Check, fold) is core/doctor.py.
+report in (Output, Finding, Check, fold) is platform/doctor.py.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from p2pmesh.core.addressing import bridge_warnings, parse_ifconfig_bridge_members
-from p2pmesh.core.doctor import ADDRESS_FIX, Check, Finding, NoFacts, Output, fold, guard, need, skipped
-from p2pmesh.core.linux_links import linux_ports, macos_ports, parse_ifconfig, parse_ibv_devices
 from p2pmesh.core.messages import PortInfo
-from p2pmesh.core.thunderbolt import CaptureError, TbPort, local_ports, parse_networksetup, parse_system_profiler
+from p2pmesh.platform.doctor import ADDRESS_FIX, Check, Finding, NoFacts, Output, fold, guard, need, parse_switch, skipped
+from p2pmesh.platform.linux_links import linux_ports, macos_ports, parse_ifconfig, parse_ibv_devices
+from p2pmesh.platform.thunderbolt import CaptureError, TbPort, local_ports, parse_networksetup, parse_system_profiler
 
 RDMA_MACOS = (26, 2)  # TN3205: RDMA over Thunderbolt starts with macOS 26.2
 SLOW_LINK_GBPS = 40.0
@@ -38,7 +38,7 @@ class MacFacts:
 
 @dataclass(frozen=True, slots=True)
 class LinuxFacts:
-    """A sysfs snapshot (core/linux_links.py's format), `ip -j -4 addr show`, and bridges."""
+    """A sysfs snapshot (platform/linux_links.py's format), `ip -j -4 addr show`, and bridges."""
 
     sysfs: Mapping[str, str] | None
     ip_addr: Output
@@ -267,12 +267,7 @@ def parse_macos_version(text: str) -> tuple[int, ...]:
 
 def parse_rdma_ctl(text: str) -> bool | None:
     """`rdma_ctl status`: True when it says enabled, False when disabled, None otherwise."""
-    low = text.lower()
-    if re.search(r"\bdisabled\b", low):
-        return False
-    if re.search(r"\benabled\b", low):
-        return True
-    return None
+    return parse_switch(text, "disabled", "enabled")
 
 
 def check_rdma(facts: LinkFacts) -> Check:

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from p2pmesh.core.linux_links import (
+from p2pmesh.core.messages import PortInfo
+from p2pmesh.platform.linux_links import (
     BenchMarker,
     bench_alias,
     linux_ports,
@@ -25,8 +26,7 @@ from p2pmesh.core.linux_links import (
     parse_ifconfig,
     parse_ip_addr_json,
 )
-from p2pmesh.core.messages import PortInfo
-from p2pmesh.core.thunderbolt import CaptureError
+from p2pmesh.platform.thunderbolt import CaptureError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "thunderbolt"
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from p2pmesh.core.doctor import TEXT_CHARS_MAX, Check, Finding, Output, fold, guard, need, skipped
+from p2pmesh.platform.doctor import TEXT_CHARS_MAX, Check, Finding, Output, fold, guard, need, parse_switch, skipped
 
 FIREWALL_TOOL = "/usr/libexec/ApplicationFirewall/socketfilterfw"
 
@@ -32,12 +32,7 @@ def parse_on_off(text: str) -> bool | None:
     """--getblockall / --getstealthmode across macOS versions ("Firewall has block all state
     set to enabled.", "Block all DISABLED!", "Firewall stealth mode is on",
     "Stealth mode disabled") -> True/False; None when it says neither."""
-    low = text.lower()
-    if re.search(r"\b(disabled|off)\b", low):
-        return False
-    if re.search(r"\b(enabled|on)\b", low):
-        return True
-    return None
+    return parse_switch(text, "disabled|off", "enabled|on")
 
 
 def parse_app_blocked(text: str, path: str = "") -> bool | None:

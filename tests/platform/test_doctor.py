@@ -1,4 +1,4 @@
-"""The pure half of `p2pmesh doctor` (p2pmesh/core/doctor.py) on real captures.
+"""The pure half of `p2pmesh doctor` (p2pmesh/platform/doctor*.py) on real captures.
 
 macOS link checks read the captures in tests/fixtures/thunderbolt (SOURCES.md says where each
 came from); the outputs that folder lacks (socketfilterfw, rdma_ctl, vm_stat, sysctl,
@@ -16,28 +16,27 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pmesh.core.doctor import (
+from p2pmesh.platform.doctor import (
     ADDRESS_FIX,
     CHECK_NAMES,
     Check,
     Finding,
-    MdnsProbe,
     Output,
-    SeenAdvert,
-    check_agent,
-    check_mdns,
-    check_memory_linux,
-    check_memory_macos,
-    check_mlx,
     exit_code,
     fold,
-    parse_meminfo,
-    parse_sysctl_int,
-    parse_vm_stat,
     render_text,
     report_json,
 )
-from p2pmesh.core.doctor_links import (
+from p2pmesh.platform.doctor_cluster import MdnsProbe, SeenAdvert, check_agent, check_mdns
+from p2pmesh.platform.doctor_host import (
+    check_memory_linux,
+    check_memory_macos,
+    check_mlx,
+    parse_meminfo,
+    parse_sysctl_int,
+    parse_vm_stat,
+)
+from p2pmesh.platform.doctor_links import (
     LinuxFacts,
     MacFacts,
     check_addresses,
@@ -48,7 +47,7 @@ from p2pmesh.core.doctor_links import (
     parse_rdma_ctl,
     usable_interfaces,
 )
-from p2pmesh.core.doctor_firewall import (
+from p2pmesh.platform.doctor_firewall import (
     MacFirewallFacts,
     check_firewall_linux,
     check_firewall_macos,
@@ -60,8 +59,8 @@ from p2pmesh.core.doctor_firewall import (
     parse_on_off,
     port_verdict,
 )
-from p2pmesh.core.linux_links import bench_alias
-from p2pmesh.core.thunderbolt import CaptureError
+from p2pmesh.platform.linux_links import bench_alias
+from p2pmesh.platform.thunderbolt import CaptureError
 from p2pmesh.core.wire import PROTOCOL_VERSION
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "thunderbolt"
@@ -661,8 +660,10 @@ def test_a_healthy_agent_reports_its_cluster() -> None:
 
 
 def test_no_agent_skips_with_how_to_start_one() -> None:
-    c = check_agent(None, "no agent is running at /s (No such file or directory); start one with `p2pmesh agent`", socket="/s")
-    assert c.status == "skip" and c.fix is not None and "p2pmesh agent" in c.fix
+    c = check_agent(None, None, socket="/s")  # no agent runs there: the finding says it, no detail
+    assert c.status == "skip" and c.fix is not None and "p2pmesh agent" in c.fix and c.details == ()
+    silent = check_agent(None, "the agent sent nothing for 3 s", socket="/s")  # one runs, but failed: why is shown
+    assert silent.status == "skip" and silent.details == ("the agent sent nothing for 3 s",)
 
 
 def test_agent_problems_each_warn() -> None:

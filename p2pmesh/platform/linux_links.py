@@ -2,7 +2,7 @@
 
 Linux: ``linux_ports(snapshot, ip_json)`` reads a *snapshot* of sysfs plus the output of
 ``ip -j -4 addr show``. macOS: ``macos_ports(...)`` joins the system_profiler and
-networksetup captures (core/thunderbolt.py) with ``ifconfig`` and ``ibv_devices`` output.
+networksetup captures (platform/thunderbolt.py) with ``ifconfig`` and ``ibv_devices`` output.
 The driver (drivers/linkwatch.py) runs the commands and reads the files; nothing here
 touches the world. Every malformed input raises ``CaptureError``, never another exception.
 
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pmesh.core.messages import PortInfo
-from p2pmesh.core.thunderbolt import CaptureError, local_ports, parse_networksetup
+from p2pmesh.platform.thunderbolt import CaptureError, local_ports, parse_networksetup
 
 # Bounds: a real host has tens of interfaces and a few hundred sysfs files; anything far
 # above is hostile or broken, and refusing it keeps time and memory bounded.
@@ -514,7 +514,7 @@ def macos_ports(
     """This Mac's ports: one per Thunderbolt receptacle that has an interface, plus the
     Wi-Fi and Ethernet hardware ports networksetup lists.
 
-    - Thunderbolt: core/thunderbolt.local_ports joins system_profiler and networksetup;
+    - Thunderbolt: platform/thunderbolt.local_ports joins system_profiler and networksetup;
       up = a cable is connected, gbps = the negotiated speed, UUIDs as system_profiler
       prints them. A receptacle networksetup names no interface for is left out (a port
       without an interface cannot carry traffic or be addressed).

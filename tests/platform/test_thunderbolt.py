@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pmesh.cli import links_cmd
-from p2pmesh.core.thunderbolt import (
+from p2pmesh.platform.thunderbolt import (
     CaptureError,
     HardwarePort,
     TbPort,
