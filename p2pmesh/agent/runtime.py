@@ -268,10 +268,8 @@ class Agent:
         if type(key) is not bytes or len(key) != keys.KEY_BYTES:
             raise LocalProtocolError(f"a cluster key is {keys.KEY_BYTES} bytes")
         self.new_key = key
-        try:
-            self.inbox_send.send_nowait(TimerFired())  # wake the loop now, not at its next deadline
-        except trio.WouldBlock:
-            pass  # a full inbox wakes it anyway
+        # Wake the loop now, not at its next deadline (a full inbox wakes it anyway).
+        self.inbox_port.put_nowait(TimerFired())
 
     async def _loop(self) -> None:
         machine = self.machine
