@@ -76,12 +76,13 @@ def hop_worker(hidden: int, hops: int) -> None:
     rank 1 echoes."""
     import mlx.core as mx
 
-    from p2pmesh.worker.pipeline import DTYPE_CODES, OP_SAMPLE, Header, Link
+    from p2pmesh.worker.pipeline import DTYPE_CODES, OP_DECODE, Header, Link, WireRow, decode_rows
 
     link = Link(mx.distributed.init(backend="ring", strict=True))
     x = mx.random.normal((1, 1, hidden))
     token = mx.array([7], dtype=mx.int32)
-    header = Header(OP_SAMPLE, 1, 0, 0, DTYPE_CODES[mx.float32])
+    header = Header(OP_DECODE, 1, 1, DTYPE_CODES[mx.float32])
+    rows = [WireRow(0, 0, 2)]
     mx.eval(x, token)
     times, step_times = [], []
     for _ in range(hops + 20):
@@ -92,15 +93,15 @@ def hop_worker(hidden: int, hops: int) -> None:
             times.append(time.perf_counter() - t0)
         else:
             link.send(link.recv((1, 1, hidden), mx.float32))
-    for _ in range(hops + 20):  # what one decode step moves: header + activation, token back
+    for _ in range(hops + 20):  # what one decode step moves: header + rows + activation, token back
         if link.rank == 0:
             t0 = time.perf_counter()
-            link.send_header(header)
-            link.send(x)
+            link.send_step(header, rows, x)
             link.recv((1,), mx.int32)
             step_times.append(time.perf_counter() - t0)
         else:
             link.recv_header()
+            decode_rows(link.recv((8,), mx.int32))
             link.recv((1, 1, hidden), mx.float32)
             link.send(token)
     link.drain()

@@ -1,86 +1,133 @@
-"""Pipeline-parallel generation along the MLX ring: one stage (a layer range) per rank.
+"""Pipeline-parallel, batched generation along the MLX ring: one stage (a layer range) per rank.
 
-Owns what travels between ranks over mx.distributed and the loop each rank runs.
+Owns what travels between ranks over mx.distributed, the KV caches every stage keeps per
+request, rank 0's `Engine` (runs the scheduler's steps, worker/scheduler.py) and the loop
+the other ranks run (`serve_stage`).
 
 Roles. Rank r holds stage r; rank 0 holds the first layers (and the embeddings), rank n-1
 the last (final norm, head, sampling). Activations go to the right neighbour (r -> r+1);
-the last rank sends the sampled token to its right neighbour, rank 0. So every rank only
+the last rank sends the sampled tokens to its right neighbour, rank 0. So every rank only
 sends right and receives from the left, the ring's two natural directions.
 
 Messages (all on the CPU stream, each evaluated on its own: evaluating a send and a recv
 together may run the recv first on every rank and hang the ring):
-  1. a header, int32[HEADER_WORDS]:
-       [MAGIC, op, length L, flags, position, dtype code, temperature bits (float32),
-        top_p bits (float32), key seed low 32 bits, key seed high 32 bits]
-     op FORWARD (a prefill chunk, not sampled), SAMPLE (a chunk or one decoded token whose
-     last position is sampled) or SHUTDOWN; flags FIRST = first chunk of a request (every
-     stage resets its KV cache); position = tokens already in the caches (each stage
-     checks it: a mismatch means the pipeline lost sync and the worker exits);
-  2. for FORWARD/SAMPLE the activation [1, L, hidden] in the dtype the header names;
-  3. after a SAMPLE, the last rank sends int32[1] = the token to rank 0.
+  1. a header, int32[HEADER_WORDS] = [MAGIC, op, rows R, length L, dtype code, group, 0, 0]
+     op PREFILL (a chunk of one request's prompt, R = 1), DECODE (one token for each of
+     the R requests of decode group `group`, L = 1), RELEASE (forget R requests) or SHUTDOWN;
+  2. for PREFILL/DECODE/RELEASE the rows, int32[R * ROW_WORDS], one per request:
+       [request number, position, flags, temperature bits (float32), top_p bits (float32),
+        key seed low 32, key seed high 32, 0]
+     flags FIRST (PREFILL: the request's caches start empty) and SAMPLE (sample the row's
+     last position); position = tokens already in the request's caches (each stage checks:
+     a mismatch means the pipeline lost sync and the worker exits);
+  3. for PREFILL/DECODE the activation [R, L, hidden] in the dtype the header names;
+  4. when any row samples, the last rank sends int32[number of sampled rows] to rank 0.
 SHUTDOWN goes once around the ring (0 -> 1 -> ... -> n-1 -> 0), so when rank 0 gets it
 back every rank has left its loop; then all drain (synchronize, barrier all_sum) and exit.
 
-Prefill is cut into chunks of at most `prefill_chunk` tokens (PREFILL_CHUNK): no hop ever
-carries more than chunk x hidden values, and earlier chunks flow while rank 0 embeds the
-next. Only the last chunk is sampled. One request at a time; rank 0 is the only driver.
+Caches. Every stage keeps, per request, its own KV caches while it prefills (`solo`), and
+one batched cache per decode group (mlx-lm's BatchKVCache: left-padded rows; a group that
+has only ever had one request keeps that request's plain caches). A DECODE
+step lists the group's requests in order: the ones the stage already has first, then the
+newcomers, whose prefill caches are merged into the group (BatchKVCache.merge / extend);
+RELEASE filters rows out. So all stages hold the same groups as rank 0 decides them, and
+several groups (micro-batches) can be in flight along the ring at once, FIFO at every hop.
 """
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
 from p2pmesh.worker.model import Shard
-from p2pmesh.worker.sampling import SamplingParams, sample, step_key_seed
+from p2pmesh.worker.sampling import sample, step_key_seed
+from p2pmesh.worker.scheduler import PrefillStep, ReleaseStep, Row, Step
 
 PREFILL_CHUNK = 128
-HEADER_WORDS = 10
-MAGIC = 0x504D5031  # "PMP1"
-OP_FORWARD, OP_SAMPLE, OP_SHUTDOWN = 1, 2, 3
-FLAG_FIRST = 1
+HEADER_WORDS = 8
+ROW_WORDS = 8
+MAGIC = 0x504D5032  # "PMP2": the batched wire (PMP1 carried one request)
+OP_PREFILL, OP_DECODE, OP_SHUTDOWN, OP_RELEASE = 1, 2, 3, 4
+FLAG_FIRST, FLAG_SAMPLE = 1, 2
 DTYPES: dict[int, Any] = {1: mx.float32, 2: mx.float16, 3: mx.bfloat16}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 
 class PipelineError(Exception):
-    """The ranks disagree (bad magic, unexpected op, cache position mismatch): the
-    pipeline is out of sync and this epoch's workers must be restarted."""
+    """The ranks disagree (bad magic, unexpected op, cache position mismatch, unknown
+    request): the pipeline is out of sync and this epoch's workers must be restarted."""
 
 
 @dataclass(frozen=True, slots=True)
 class Header:
     op: int
+    rows: int = 0
     length: int = 0
-    flags: int = 0
-    position: int = 0
     dtype: int = 1
-    temperature: float = 0.0
-    top_p: float = 1.0
-    key_seed: int = 0
+    group: int = 0
 
     def encode(self) -> mx.array:
-        t = struct.unpack("<i", struct.pack("<f", self.temperature))[0]
-        p = struct.unpack("<i", struct.pack("<f", self.top_p))[0]
-        lo, hi = struct.unpack("<ii", struct.pack("<Q", self.key_seed & ((1 << 64) - 1)))
-        words = [_signed(MAGIC), self.op, self.length, self.flags, self.position, self.dtype, t, p, lo, hi]
-        return mx.array(words, dtype=mx.int32)
+        return mx.array([_signed(MAGIC), self.op, self.rows, self.length, self.dtype, self.group, 0, 0], dtype=mx.int32)
 
     @classmethod
     def decode(cls, arr: mx.array) -> Header:
         w = [int(x) for x in arr.tolist()]
         if len(w) != HEADER_WORDS or w[0] != _signed(MAGIC):
             raise PipelineError(f"bad pipeline header {w}: ranks out of sync")
-        temperature = struct.unpack("<f", struct.pack("<i", w[6]))[0]
-        top_p = struct.unpack("<f", struct.pack("<i", w[7]))[0]
-        key_seed = struct.unpack("<Q", struct.pack("<ii", w[8], w[9]))[0]
-        h = cls(w[1], w[2], w[3], w[4], w[5], temperature, top_p, key_seed)
-        if h.op not in (OP_FORWARD, OP_SAMPLE, OP_SHUTDOWN) or (h.op != OP_SHUTDOWN and (h.length < 1 or h.dtype not in DTYPES)):
+        h = cls(w[1], w[2], w[3], w[4], w[5])
+        ok = h.op == OP_SHUTDOWN or (h.op == OP_RELEASE and h.rows >= 1) or (
+            h.op in (OP_PREFILL, OP_DECODE) and h.rows >= 1 and h.length >= 1 and h.dtype in DTYPES
+            and (h.op == OP_DECODE or h.rows == 1))
+        if not ok:
             raise PipelineError(f"bad pipeline header {h}")
         return h
+
+
+@dataclass(frozen=True, slots=True)
+class WireRow:
+    """A row as every stage sees it: no token ids (only rank 0 has those)."""
+
+    no: int
+    position: int
+    flags: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    key_seed: int = 0
+
+    @property
+    def sample(self) -> bool:
+        return bool(self.flags & FLAG_SAMPLE)
+
+    @classmethod
+    def of(cls, row: Row, first: bool = False) -> WireRow:
+        s = row.sampling
+        flags = (FLAG_FIRST if first else 0) | (FLAG_SAMPLE if row.sample else 0)
+        return cls(row.no, row.position, flags, s.temperature, s.top_p, step_key_seed(s.seed, row.position + len(row.tokens)))
+
+
+def encode_rows(rows: Sequence[WireRow]) -> mx.array:
+    words: list[int] = []
+    for r in rows:
+        t = struct.unpack("<i", struct.pack("<f", r.temperature))[0]
+        p = struct.unpack("<i", struct.pack("<f", r.top_p))[0]
+        lo, hi = struct.unpack("<ii", struct.pack("<Q", r.key_seed & ((1 << 64) - 1)))
+        words += [r.no, r.position, r.flags, t, p, lo, hi, 0]
+    return mx.array(words, dtype=mx.int32)
+
+
+def decode_rows(arr: mx.array) -> list[WireRow]:
+    w = [int(x) for x in arr.tolist()]
+    rows = []
+    for i in range(0, len(w), ROW_WORDS):
+        no, position, flags, t, p, lo, hi, _ = w[i : i + ROW_WORDS]
+        temperature = struct.unpack("<f", struct.pack("<i", t))[0]
+        top_p = struct.unpack("<f", struct.pack("<i", p))[0]
+        rows.append(WireRow(no, position, flags, temperature, top_p, struct.unpack("<Q", struct.pack("<ii", lo, hi))[0]))
+    return rows
 
 
 def _signed(x: int) -> int:
@@ -111,6 +158,12 @@ class Link:
     def recv_header(self) -> Header:
         return Header.decode(self.recv((HEADER_WORDS,), mx.int32))
 
+    def send_step(self, h: Header, rows: Sequence[WireRow], x: mx.array | None) -> None:
+        self.send_header(h)
+        self.send(encode_rows(rows))
+        if x is not None:
+            self.send(x)
+
     def drain(self) -> None:
         """Finish pending work, then a barrier, so no rank closes its sockets while a
         neighbour still has an operation in flight."""
@@ -118,72 +171,173 @@ class Link:
         mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=self.group, stream=mx.cpu))
 
 
+@dataclass
+class _Solo:
+    cache: list[Any]
+    position: int = 0
+
+
+@dataclass
+class _Group:
+    nos: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    cache: list[Any] | None = None
+
+
 class Stage:
-    """A shard and its KV cache, reset at the first chunk of every request."""
+    """A shard and its KV caches: one per request while it prefills, one batched cache per
+    decode group afterwards (see the module comment)."""
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
-        self.cache: list[Any] | None = None
+        self.solo: dict[int, _Solo] = {}
+        self.groups: dict[int, _Group] = {}
 
-    @property
-    def position(self) -> int:
-        return int(self.cache[0].offset) if self.cache else 0
+    def _where(self) -> str:
+        return f"stage {self.shard.start}-{self.shard.end}"
 
-    def run(self, x: mx.array, h: Header) -> mx.array:
-        if h.flags & FLAG_FIRST:
-            self.cache = self.shard.make_cache()
-        if self.cache is None or h.position != self.position:
-            raise PipelineError(f"stage {self.shard.start}-{self.shard.end} holds {self.position} tokens, header says {h.position}")
-        out = self.shard.forward(x, self.cache, last_only=True)
+    def prefill(self, row: WireRow, x: mx.array) -> mx.array:
+        if row.flags & FLAG_FIRST:
+            if row.no in self.solo or any(row.no in g.nos for g in self.groups.values()):
+                raise PipelineError(f"{self._where()}: request {row.no} starts again")
+            self.solo[row.no] = _Solo(self.shard.make_cache())
+        s = self.solo.get(row.no)
+        if s is None or s.position != row.position:
+            held = None if s is None else s.position
+            raise PipelineError(f"{self._where()}: request {row.no} holds {held} tokens, header says {row.position}")
+        out = self.shard.forward(x, s.cache, last_only=True)
         # Compute before any communication: a send never waits on a long compute graph.
-        mx.eval(out, [c.state for c in self.cache])
+        mx.eval(out, [c.state for c in s.cache])
+        s.position += x.shape[1]
         return out
 
+    def decode(self, group: int, rows: Sequence[WireRow], x: mx.array) -> mx.array:
+        g = self.groups.setdefault(group, _Group())
+        k = len(g.nos)
+        if [r.no for r in rows[:k]] != g.nos:
+            raise PipelineError(f"{self._where()}: group {group} holds {g.nos}, the step lists {[r.no for r in rows]}")
+        newcomers = list(rows[k:])
+        if newcomers:
+            self._join(g, newcomers)
+        if [r.position for r in rows] != g.positions:
+            raise PipelineError(f"{self._where()}: group {group} positions {g.positions}, the step says {[r.position for r in rows]}")
+        assert g.cache is not None
+        out = self.shard.forward(x, g.cache, last_only=True)
+        mx.eval(out, [c.state for c in g.cache])
+        g.positions = [p + 1 for p in g.positions]
+        return out
 
-def _sample_token(logits: mx.array, h: Header) -> int:
-    return int(sample(logits[0, -1], h.temperature, h.top_p, h.key_seed).item())
+    def _join(self, g: _Group, rows: Sequence[WireRow]) -> None:
+        solos = []
+        for r in rows:
+            s = self.solo.pop(r.no, None)
+            if s is None:
+                raise PipelineError(f"{self._where()}: request {r.no} joins a group without a prefill")
+            solos.append(s)
+        if g.cache is None and len(solos) == 1:
+            # A group of one keeps the request's own caches: single-stream decoding runs
+            # exactly as unbatched (no padding mask, scalar RoPE offsets), at full speed.
+            g.cache = solos[0].cache
+        elif g.cache is not None and not hasattr(g.cache[0], "extend"):
+            g.cache = [type(layer[0]).merge(list(layer)) for layer in zip(g.cache, *(s.cache for s in solos))]
+        else:
+            merged = [type(layer[0]).merge(list(layer)) for layer in zip(*(s.cache for s in solos))]
+            if g.cache is None:
+                g.cache = merged
+            else:
+                for mine, theirs in zip(g.cache, merged):
+                    mine.extend(theirs)
+        g.nos += [r.no for r in rows]
+        g.positions += [s.position for s in solos]
+
+    def release(self, nos: Sequence[int]) -> None:
+        gone = set(nos)
+        for no in gone:
+            self.solo.pop(no, None)
+        for gid, g in list(self.groups.items()):
+            keep = [i for i, no in enumerate(g.nos) if no not in gone]
+            if len(keep) == len(g.nos):
+                continue
+            if not keep:
+                del self.groups[gid]
+                continue
+            assert g.cache is not None
+            for c in g.cache:
+                c.filter(keep)
+            g.nos = [g.nos[i] for i in keep]
+            g.positions = [g.positions[i] for i in keep]
+
+    @property
+    def requests(self) -> int:
+        return len(self.solo) + sum(len(g.nos) for g in self.groups.values())
 
 
-class Driver:
-    """Rank 0: runs the first stage, pushes each step down the pipeline and gets the
-    token back from the last rank (or samples itself when it is the only rank)."""
+def sample_rows(logits: mx.array, rows: Sequence[WireRow]) -> list[int]:
+    """One token per sampling row from logits [R, 1, vocab]: greedy rows in one argmax,
+    the others with their own parameters and key (sampling.sample)."""
+    picked = [i for i, r in enumerate(rows) if r.sample]
+    if not picked:
+        return []
+    last = logits[:, -1, :]
+    greedy = mx.argmax(last, axis=-1) if any(rows[i].temperature == 0 for i in picked) else None
+    out = []
+    for i in picked:
+        r = rows[i]
+        out.append(greedy[i] if r.temperature == 0 and greedy is not None else sample(last[i], r.temperature, r.top_p, r.key_seed))
+    return [int(t) for t in mx.stack(out).tolist()]
 
-    def __init__(self, stage: Stage, link: Link | None, prefill_chunk: int = PREFILL_CHUNK) -> None:
-        if prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be >= 1")
+
+def run_step(stage: Stage, h: Header, rows: Sequence[WireRow], x: mx.array) -> mx.array:
+    """This stage's part of a PREFILL or DECODE step."""
+    if h.op == OP_PREFILL:
+        return stage.prefill(rows[0], x)
+    return stage.decode(h.group, rows, x)
+
+
+class Engine:
+    """Rank 0: runs the scheduler's steps on the first stage and pushes them down the
+    pipeline; the results (sampled tokens) come back from the last rank in the order the
+    steps were sent. With one rank it samples itself. `submit` starts a step, `collect`
+    returns the oldest started step and its tokens (waiting for them if needed)."""
+
+    def __init__(self, stage: Stage, link: Link | None) -> None:
         if (link is None) != stage.shard.last:
             raise ValueError("rank 0 without a group must hold the whole model, and with one must not")
-        self.stage, self.link, self.prefill_chunk = stage, link, prefill_chunk
+        self.stage, self.link = stage, link
+        self.pending: deque[tuple[Step, int, list[int] | None]] = deque()
 
-    def generate(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams) -> Iterator[int]:
-        """Tokens one by one, at most max_tokens; the consumer stops early (EOS) by no
-        longer iterating: nothing is in flight between two tokens."""
-        if not prompt or max_tokens < 1:
+    def submit(self, step: Step) -> None:
+        if isinstance(step, ReleaseStep):
+            self.stage.release(step.nos)
+            if self.link is not None:
+                self.link.send_step(Header(OP_RELEASE, len(step.nos)), [WireRow(no, 0) for no in step.nos], None)
+            self.pending.append((step, 0, []))
             return
-        position = 0
-        chunks = [list(prompt[i : i + self.prefill_chunk]) for i in range(0, len(prompt), self.prefill_chunk)]
-        token = -1
-        for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1
-            token = self._step(chunk, position, OP_SAMPLE if last else OP_FORWARD, FLAG_FIRST if i == 0 else 0, params)
-            position += len(chunk)
-        yield token
-        for _ in range(max_tokens - 1):
-            token = self._step([token], position, OP_SAMPLE, 0, params)
-            position += 1
-            yield token
-
-    def _step(self, ids: list[int], position: int, op: int, flags: int, params: SamplingParams) -> int:
-        key_seed = step_key_seed(params.seed, position + len(ids))
-        h = Header(op, len(ids), flags, position, 1, params.temperature, params.top_p, key_seed)
-        out = self.stage.run(mx.array([ids], dtype=mx.int32), h)
+        if isinstance(step, PrefillStep):
+            rows, group, op = [WireRow.of(step.row, step.first)], 0, OP_PREFILL
+            ids = [list(step.row.tokens)]
+        else:
+            rows, group, op = [WireRow.of(r) for r in step.rows], step.group, OP_DECODE
+            ids = [list(r.tokens) for r in step.rows]
+        h = Header(op, len(rows), len(ids[0]), 1, group)
+        out = run_step(self.stage, h, rows, mx.array(ids, dtype=mx.int32))
         if self.link is None:
-            return _sample_token(out, h) if op == OP_SAMPLE else -1
-        self.link.send_header(Header(op, len(ids), flags, position, DTYPE_CODES[out.dtype], params.temperature, params.top_p, key_seed))
-        self.link.send(out)
-        if op != OP_SAMPLE:
-            return -1
-        return int(self.link.recv((1,), mx.int32).item())
+            self.pending.append((step, 0, sample_rows(out, rows)))
+            return
+        self.link.send_step(Header(op, len(rows), len(ids[0]), DTYPE_CODES[out.dtype], group), rows, out)
+        sampled = sum(1 for r in rows if r.sample)
+        self.pending.append((step, sampled, None if sampled else []))
+
+    def collect(self) -> tuple[Step, list[int]]:
+        step, sampled, tokens = self.pending.popleft()
+        if tokens is None:
+            assert self.link is not None
+            tokens = [int(t) for t in self.link.recv((sampled,), mx.int32).tolist()]
+        return step, tokens
+
+    def ready(self) -> bool:
+        """The oldest pending step's result is known without waiting."""
+        return bool(self.pending) and self.pending[0][2] is not None
 
     def shutdown(self) -> None:
         """Send SHUTDOWN around the ring and wait for it to come back, then drain."""
@@ -207,10 +361,16 @@ def serve_stage(stage: Stage, link: Link) -> None:
             link.send_header(h)
             link.drain()
             return
-        x = link.recv((1, h.length, stage.shard.hidden_size), DTYPES[h.dtype])
-        out = stage.run(x, h)
+        rows = decode_rows(link.recv((h.rows * ROW_WORDS,), mx.int32))
+        if h.op == OP_RELEASE:
+            stage.release([r.no for r in rows])
+            if not last:
+                link.send_step(h, rows, None)
+            continue
+        x = link.recv((h.rows, h.length, stage.shard.hidden_size), DTYPES[h.dtype])
+        out = run_step(stage, h, rows, x)
         if not last:
-            link.send_header(Header(h.op, h.length, h.flags, h.position, DTYPE_CODES[out.dtype], h.temperature, h.top_p, h.key_seed))
-            link.send(out)
-        elif h.op == OP_SAMPLE:
-            link.send(mx.array([_sample_token(out, h)], dtype=mx.int32))
+            link.send_step(Header(h.op, h.rows, h.length, DTYPE_CODES[out.dtype], h.group), rows, out)
+        elif any(r.sample for r in rows):
+            link.send(mx.array(sample_rows(out, rows), dtype=mx.int32))
+

@@ -11,16 +11,21 @@ stdout (one JSON object per line, every rank):
 rank 0 only:
   {"event": "token", "id": id, "token": int, "text": "incremental text"}   the first also has
                                                                "prompt_tokens": [int]
-  {"event": "done", "id": id, "tokens": n, "finish": "stop"|"length", "text": "held-back text"}
-stdin (rank 0 only):
+  {"event": "done", "id": id, "tokens": n, "finish": "stop"|"length"|"cancelled", "text": "held-back text"}
+stdin (rank 0 only), read by a thread while the batch runs:
   {"op": "generate", "id": str, "prompt": str|null, "prompt_tokens": [int]|null,
    "max_tokens": n, "temperature": t, "top_p": p, "seed": s}
+  {"op": "cancel", "id": str}                                       frees the request's slot at once
   {"op": "shutdown"}                                                also: EOF on stdin
+Requests run concurrently (continuous batching, worker/scheduler.py): events of different
+ids interleave, each request's own events stay in order.
 
 An error's "code" says whose fault it is, so the agent never reads the English message:
   request_invalid   this request is wrong (bad fields, empty or too long prompt, a token
                     outside the vocabulary): it is refused for good, the worker serves on;
   command_invalid   a line that is not a command (no id could be read): the worker serves on;
+  busy              the batch and the queue are full: this request is refused now (not for
+                    good: it may be sent again later), the worker serves on;
   pipeline_broken   the epoch's pipeline failed (a peer lost, the stages out of sync); with
                     "id" the request it was running: not the request's fault, the worker exits 1;
   unusable          the arguments, the environment or the model (exit 2).
@@ -48,7 +53,9 @@ REQUEST_INVALID = "request_invalid"
 COMMAND_INVALID = "command_invalid"
 PIPELINE_BROKEN = "pipeline_broken"
 UNUSABLE = "unusable"
-ERROR_CODES = (REQUEST_INVALID, COMMAND_INVALID, PIPELINE_BROKEN, UNUSABLE)
+BUSY = "busy"
+ERROR_CODES = (REQUEST_INVALID, COMMAND_INVALID, PIPELINE_BROKEN, UNUSABLE, BUSY)
+FINISH_CANCELLED = "cancelled"
 
 
 class CommandError(ValueError):
@@ -82,11 +89,19 @@ class Generate:
 
 
 @dataclass(frozen=True, slots=True)
+class Cancel:
+    """End a running or queued request now (an unknown or finished id is ignored: the
+    request may have ended while the command was on its way)."""
+
+    id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
 
-Command = Generate | Shutdown
+Command = Generate | Cancel | Shutdown
 
 
 def parse_command(line: bytes | str, limits: Limits = Limits()) -> Command:
@@ -104,8 +119,12 @@ def parse_command(line: bytes | str, limits: Limits = Limits()) -> Command:
     op = obj.get("op")
     if op == "shutdown":
         return Shutdown()
+    if op == "cancel":
+        if rid is None:
+            raise CommandError(f"cancel needs an \"id\": a string of 1..{MAX_ID_CHARS} characters")
+        return Cancel(rid)
     if op != "generate":
-        raise CommandError(f"unknown op {op!r} (expected \"generate\" or \"shutdown\")", rid)
+        raise CommandError(f"unknown op {op!r} (expected \"generate\", \"cancel\" or \"shutdown\")", rid)
     if rid is None:
         raise CommandError(f"generate needs an \"id\": a string of 1..{MAX_ID_CHARS} characters")
     prompt, tokens = obj.get("prompt"), obj.get("prompt_tokens")

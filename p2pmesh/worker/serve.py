@@ -5,12 +5,15 @@ MLX_RANK (= --rank) and MLX_HOSTFILE (core/mlx_hostfile.py) exactly as for ring_
 the worker joins the ring group with mx.distributed.init(backend="ring"); a single stage
 runs alone, without mx.distributed. Each rank loads layers stages[rank] (worker/model.py),
 prints "ready", then rank 0 reads commands from stdin and streams tokens to stdout while
-the other ranks run their stage for every step rank 0 sends (worker/pipeline.py).
+the other ranks run their stage for every step rank 0 sends (worker/pipeline.py). Rank 0
+serves up to --max-batch requests at once (continuous batching, worker/scheduler.py) and
+queues --max-queue more; beyond that a request is refused with a "busy" error.
 
 The JSON-lines protocol is in worker/protocol.py and docs/inference.md. In short:
   stdout, every rank: ready, heartbeat (every 0.5 s from a thread), error;
   stdout, rank 0: token, done;
-  stdin, rank 0: {"op": "generate", ...}, {"op": "shutdown"}; EOF means shutdown.
+  stdin, rank 0: {"op": "generate", ...}, {"op": "cancel", "id": ...}, {"op": "shutdown"};
+  EOF means shutdown (the requests taken before it finish first).
 
 Exit status: 0 after a shutdown that every rank drained; 1 on a runtime failure (a peer
 lost, the pipeline out of sync, the watchdog); 2 when the arguments, the environment or
@@ -25,15 +28,21 @@ import argparse
 import faulthandler
 import json
 import os
+import queue
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import IO, Any
+
+from p2pmesh.worker.scheduler import Finished, Sampling, Scheduler
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 300.0
 DRAIN_TIMEOUT_S = 30.0
 HEARTBEAT_S = 0.5
+DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_QUEUE = 64
 
 
 class Emitter:
@@ -112,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
     parser.add_argument("--max-tokens-cap", type=int, default=None)
     parser.add_argument("--max-line-bytes", type=int, default=None)
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="requests served at once")
+    parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="requests waiting for a slot; more are refused (busy)")
+    parser.add_argument("--micro-batches", type=int, default=None,
+                        help="decode groups in flight along the ring (default: one per stage)")
     args = parser.parse_args(argv)
     emitter = Emitter(sys.stdout)
     # Armed before MLX is even imported: it fires while native code blocks (accept, recv).
@@ -120,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         stages = parse_stages(args.stages)
         if not 0 <= args.rank < len(stages):
             raise ValueError(f"--rank {args.rank} is not one of the {len(stages)} stages")
+        if args.max_batch < 1 or args.max_queue < 0 or (args.micro_batches is not None and args.micro_batches < 1):
+            raise ValueError("--max-batch and --micro-batches must be >= 1, --max-queue >= 0")
+        if args.prefill_chunk is not None and args.prefill_chunk < 1:
+            raise ValueError("--prefill-chunk must be >= 1")
     except ValueError as e:
         return _fail(emitter, EXIT_USAGE, str(e))
     heartbeat_stop = start_heartbeat(emitter, args.rank)
@@ -129,9 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_stop.set()
 
 
-def _fail(emitter: Emitter, code: int, message: str, request_id: str | None = None,
+def _fail(emitter: Emitter, code: int, message: str, request_ids: list[str] | None = None,
           fault: dict[str, Any] | None = None) -> int:
-    """Report why the worker ends (an error event and stderr); the exit status ``code``."""
+    """Report why the worker ends (an error event per request it was running, or one
+    without an id, and stderr); the exit status ``code``."""
     from p2pmesh.worker import protocol
 
     print(f"serve: {message}" + (f" ({fault})" if fault else ""), file=sys.stderr, flush=True)
@@ -139,7 +157,8 @@ def _fail(emitter: Emitter, code: int, message: str, request_id: str | None = No
     # resumes any request named here on the next epoch (protocol.PIPELINE_BROKEN).
     kind = protocol.UNUSABLE if code == EXIT_USAGE else protocol.PIPELINE_BROKEN
     try:
-        emitter.emit(protocol.error(kind, message, request_id, fault))
+        for request_id in request_ids or [None]:
+            emitter.emit(protocol.error(kind, message, request_id, fault))
     except (OSError, ValueError):
         pass
     return code
@@ -151,7 +170,7 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
     from p2pmesh.worker import protocol
     from p2pmesh.worker.checkpoint import CheckpointError, read_config
     from p2pmesh.worker.model import ModelError, load_shard, load_tokenizer, resolve_model
-    from p2pmesh.worker.pipeline import PREFILL_CHUNK, Driver, Link, Stage, serve_stage
+    from p2pmesh.worker.pipeline import PREFILL_CHUNK, Engine, Link, Stage, serve_stage
     from p2pmesh.worker.ring_check import EnvError, read_env, read_hosts, ring_fault
 
     rank, size = args.rank, len(stages)
@@ -203,61 +222,139 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
                 max_prompt_tokens=args.max_prompt_tokens or protocol.MAX_PROMPT_TOKENS,
                 max_tokens_cap=args.max_tokens_cap or protocol.MAX_TOKENS_CAP,
             )
-            driver = Driver(stage, link, args.prefill_chunk or PREFILL_CHUNK)
+            engine = Engine(stage, link)
+            scheduler = Scheduler(args.max_batch, args.max_queue, args.prefill_chunk or PREFILL_CHUNK,
+                                  args.micro_batches or size)
             context = int(config.get("text_config", config).get("max_position_embeddings") or 0) or None
-            Server(driver, tokenizer, shard.vocab_size, limits, context, emitter).run(sys.stdin.buffer)
+            Server(engine, tokenizer, shard.vocab_size, limits, context, emitter, scheduler).run(sys.stdin.buffer)
             # Bound the drain: a peer that died after SHUTDOWN left would hang it forever.
             faulthandler.dump_traceback_later(DRAIN_TIMEOUT_S, exit=True)
-            driver.shutdown()
+            engine.shutdown()
     except Exception as e:  # noqa: BLE001 - a dead peer, a desync or a bug: this epoch is over
-        return _fail(emitter, EXIT_FAILED, f"{type(e).__name__}: {e}", getattr(e, "request_id", None))
+        return _fail(emitter, EXIT_FAILED, f"{type(e).__name__}: {e}", getattr(e, "request_ids", None))
     return EXIT_OK
 
 
 class RequestFailed(Exception):
-    """Generation failed mid-request (the pipeline broke): carries the request's id. Reported
-    as pipeline_broken, so the request resumes on the next epoch instead of failing."""
+    """Generation failed mid-request (the pipeline broke): carries the ids of every request
+    it was running. Reported as pipeline_broken, so they resume on the next epoch instead
+    of failing."""
 
-    def __init__(self, message: str, request_id: str) -> None:
+    def __init__(self, message: str, request_ids: list[str]) -> None:
         super().__init__(message)
-        self.request_id = request_id
+        self.request_ids = request_ids
+
+
+STDIN_QUEUE = 256
+"""Lines read ahead of the main loop; a fuller queue makes the reader wait (the pipe
+then holds the rest), so memory stays bounded whatever the agent writes."""
+EOF_ITEM = None
+
+
+def start_reader(stdin: IO[bytes], limit: int) -> queue.Queue[bytes | LineTooLong | None]:
+    """A thread reading stdin lines into a bounded queue, so commands (a cancel, a new
+    request) arrive while the batch runs; None marks EOF."""
+    q: queue.Queue[bytes | LineTooLong | None] = queue.Queue(maxsize=STDIN_QUEUE)
+
+    def read() -> None:
+        while True:
+            try:
+                line = read_line(stdin, limit)
+            except LineTooLong as e:
+                q.put(e)
+                continue
+            except (OSError, ValueError):
+                line = None
+            q.put(line)
+            if line is None:
+                return
+
+    threading.Thread(target=read, name="stdin", daemon=True).start()
+    return q
+
+
+@dataclass
+class _Text:
+    """A request's streaming text and the prompt its first token event carries."""
+
+    prompt: list[int]
+    text: ContinuationText
 
 
 class Server:
-    """Rank 0's command loop: one request at a time, in stdin order."""
+    """Rank 0's command loop: requests join and leave a running batch (worker/scheduler.py
+    decides the steps, pipeline.Engine runs them), commands are read while it runs."""
 
-    def __init__(self, driver: Any, tokenizer: Any, vocab_size: int, limits: Any, context: int | None, emitter: Emitter) -> None:
-        self.driver, self.tokenizer, self.vocab_size = driver, tokenizer, vocab_size
+    def __init__(self, engine: Any, tokenizer: Any, vocab_size: int, limits: Any, context: int | None, emitter: Emitter,
+                 scheduler: Scheduler) -> None:
+        self.engine, self.tokenizer, self.vocab_size = engine, tokenizer, vocab_size
         self.limits, self.context, self.emitter = limits, context, emitter
+        self.scheduler = scheduler
+        self.texts: dict[str, _Text] = {}
+        self.eos = frozenset(self.tokenizer.eos_token_ids or ())
+        self.closing = False
 
     def run(self, stdin: IO[bytes]) -> None:
-        """Until {"op": "shutdown"} or EOF. Bad commands get an error event; a failure of
-        the pipeline itself raises (the worker cannot continue)."""
+        """Until {"op": "shutdown"} or EOF and every request taken before it has finished.
+        Bad commands get an error event; a failure of the pipeline itself raises (the
+        worker cannot continue)."""
+        commands = start_reader(stdin, self.limits.max_line_bytes)
+        sched, engine = self.scheduler, self.engine
+        while True:
+            self._take(commands, block=sched.idle and not self.closing)
+            if sched.idle:
+                if self.closing:
+                    return
+                continue  # the commands started nothing (refused, cancelled): wait for more
+            try:
+                steps = sched.plan()
+                for step in steps:
+                    engine.submit(step)
+                if not steps and not engine.pending:
+                    raise RuntimeError("the scheduler has requests but nothing to run")
+                if engine.pending:
+                    self._complete(*engine.collect())
+                while engine.ready():
+                    self._complete(*engine.collect())
+            except Exception as e:  # noqa: BLE001 - report it against the requests, then end the worker
+                ids = [*sched.active, *(r.rid for r in sched.queue)]
+                raise RequestFailed(f"generation failed: {type(e).__name__}: {e}", ids) from e
+
+    def _take(self, commands: queue.Queue[bytes | LineTooLong | None], block: bool) -> None:
+        """Handle the commands that arrived (waiting for one when there is nothing to run)."""
         from p2pmesh.worker import protocol
 
-        while True:
+        while not self.closing:
             try:
-                line = read_line(stdin, self.limits.max_line_bytes)
-            except LineTooLong as e:
-                self.emitter.emit(protocol.error(protocol.COMMAND_INVALID, str(e)))
-                continue
-            if line is None:
+                item = commands.get(block=block)
+            except queue.Empty:
                 return
-            if not line.strip():
+            block = False
+            if isinstance(item, LineTooLong):
+                self.emitter.emit(protocol.error(protocol.COMMAND_INVALID, str(item)))
+                continue
+            if item is None:
+                self.closing = True
+                return
+            if not item.strip():
                 continue
             try:
-                command = protocol.parse_command(line, self.limits)
+                command = protocol.parse_command(item, self.limits)
             except protocol.CommandError as e:
                 code = protocol.REQUEST_INVALID if e.request_id is not None else protocol.COMMAND_INVALID
                 self.emitter.emit(protocol.error(code, str(e), e.request_id))
                 continue
             if isinstance(command, protocol.Shutdown):
-                return
-            self.generate(command)
+                self.closing = True
+            elif isinstance(command, protocol.Cancel):
+                finished = self.scheduler.cancel(command.id)
+                if finished is not None:
+                    self._finished(finished)
+            else:
+                self.submit(command)
 
-    def generate(self, cmd: Any) -> None:
+    def submit(self, cmd: Any) -> None:
         from p2pmesh.worker import protocol
-        from p2pmesh.worker.sampling import SamplingParams
 
         if cmd.prompt_tokens is not None:
             tokens = list(cmd.prompt_tokens)
@@ -272,27 +369,38 @@ class Server:
             problem = f"prompt token {max(tokens)} is outside the model's vocabulary of {self.vocab_size}"
         elif self.context is not None and len(tokens) >= self.context:
             problem = f"the prompt has {len(tokens)} tokens; the model's context is {self.context}"
+        elif self.scheduler.known(cmd.id):
+            problem = f"request {cmd.id!r} is already running"
         if problem is not None:
             self.emitter.emit(protocol.error(protocol.REQUEST_INVALID, problem, cmd.id))
             return
         max_new = cmd.max_tokens if self.context is None else min(cmd.max_tokens, self.context - len(tokens))
-        params = SamplingParams(cmd.temperature, cmd.top_p, cmd.seed)
-        eos = set(self.tokenizer.eos_token_ids or ())
-        detok = self.tokenizer.detokenizer
-        text = ContinuationText(detok, self.tokenizer)
-        count, finish = 0, "length"
-        try:
-            for tok in self.driver.generate(tokens, max_new, params):
-                if tok in eos:
-                    finish = "stop"
-                    break
-                detok.add_token(tok)
-                count += 1
-                self.emitter.emit(protocol.token(cmd.id, tok, text.segment(tok), tokens if count == 1 else None))
-        except Exception as e:  # noqa: BLE001 - report it against the request, then end the worker
-            raise RequestFailed(f"generation failed: {type(e).__name__}: {e}", cmd.id) from e
-        detok.finalize()
-        self.emitter.emit(protocol.done(cmd.id, count, finish, text.segment(None)))
+        sampling = Sampling(cmd.temperature, cmd.top_p, cmd.seed)
+        if not self.scheduler.submit(cmd.id, tokens, max_new, sampling, self.eos):
+            s = self.scheduler
+            self.emitter.emit(protocol.error(protocol.BUSY, f"{s.running} requests running and {len(s.queue)} queued: "
+                                             "the worker is full, try again later", cmd.id))
+            return
+        self.texts[cmd.id] = _Text(tokens, ContinuationText(self.tokenizer.detokenizer, self.tokenizer))
+
+    def _complete(self, step: Any, tokens: list[int]) -> None:
+        from p2pmesh.worker import protocol
+
+        for outcome in self.scheduler.complete(step, tokens):
+            if isinstance(outcome, Finished):
+                self._finished(outcome)
+                continue
+            t = self.texts[outcome.rid]
+            t.text.detok.add_token(outcome.token)
+            self.emitter.emit(protocol.token(outcome.rid, outcome.token, t.text.segment(outcome.token),
+                                             t.prompt if outcome.first else None))
+
+    def _finished(self, f: Finished) -> None:
+        from p2pmesh.worker import protocol
+
+        t = self.texts.pop(f.rid)
+        t.text.detok.finalize()
+        self.emitter.emit(protocol.done(f.rid, f.tokens, f.finish, t.text.segment(None)))
 
 
 class ContinuationText:
@@ -328,4 +436,12 @@ class ContinuationText:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # The stdin reader (a daemon thread) may still wait in readline, holding the buffered
+    # reader's lock, and interpreter finalization would then abort: leave without it.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)

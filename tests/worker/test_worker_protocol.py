@@ -10,7 +10,7 @@ import mlx_lm
 import pytest
 
 from p2pmesh.worker import protocol
-from p2pmesh.worker.pipeline import OP_SAMPLE, Header, PipelineError
+from p2pmesh.worker.pipeline import OP_DECODE, OP_PREFILL, OP_RELEASE, Header, PipelineError, WireRow, decode_rows, encode_rows
 from p2pmesh.worker.sampling import SamplingParams, sample, step_key_seed
 from p2pmesh.worker.serve import LineTooLong, read_line
 from tests.fixtures.tiny_model import make_tiny_model
@@ -23,6 +23,7 @@ def test_a_generate_command_is_parsed_with_defaults() -> None:
                                  '"max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 2147483647}')
     assert cmd == protocol.Generate("r2", None, (1, 2), 3, 0.5, 0.9, 2**31 - 1)
     assert protocol.parse_command('{"op": "shutdown"}') == protocol.Shutdown()
+    assert protocol.parse_command('{"op": "cancel", "id": "r1"}') == protocol.Cancel("r1")
 
 
 @pytest.mark.parametrize(
@@ -40,6 +41,7 @@ def test_a_generate_command_is_parsed_with_defaults() -> None:
         ('{"op": "generate", "id": "a", "prompt": "x", "seed": 2147483648}', "a", "seed"),
         ('{"op": "generate", "id": "a", "prompt": "x", "temperature": 10.5}', "a", "temperature"),
         ('{"op": "launch", "id": "a"}', "a", "unknown op"),
+        ('{"op": "cancel"}', None, "cancel needs an \"id\""),
         ("[]", None, "not a JSON object"),
     ],
 )
@@ -66,12 +68,19 @@ def test_an_overlong_line_is_skipped_whole() -> None:
     assert read_line(stream, 50) is None
 
 
-def test_the_pipeline_header_round_trips() -> None:
-    h = Header(OP_SAMPLE, 17, 1, 1234, 3, 0.7, 0.95, 2**64 - 5)
-    back = Header.decode(h.encode())
-    assert back == Header(OP_SAMPLE, 17, 1, 1234, 3, pytest.approx(0.7), pytest.approx(0.95), 2**64 - 5)
+def test_the_pipeline_header_and_rows_round_trip() -> None:
+    h = Header(OP_DECODE, 3, 1, 3, 2)
+    assert Header.decode(h.encode()) == h
+    rows = [WireRow(5, 1234, 3, 0.7, 0.95, 2**64 - 5), WireRow(6, 0), WireRow(2**31 - 1, 7, 2, 10.0, 1.0, 1)]
+    back = decode_rows(encode_rows(rows))
+    assert [(r.no, r.position, r.flags, r.key_seed) for r in back] == [(r.no, r.position, r.flags, r.key_seed) for r in rows]
+    assert [r.temperature for r in back] == [pytest.approx(r.temperature) for r in rows]
+    assert [r.top_p for r in back] == [pytest.approx(r.top_p) for r in rows]
     with pytest.raises(PipelineError, match="out of sync"):
-        Header.decode(mx.zeros((10,), dtype=mx.int32))
+        Header.decode(mx.zeros((8,), dtype=mx.int32))
+    for bad in (Header(OP_PREFILL, 2, 4), Header(OP_DECODE, 0, 1), Header(OP_RELEASE, 0), Header(9, 1, 1)):
+        with pytest.raises(PipelineError, match="bad pipeline header"):
+            Header.decode(bad.encode())
 
 
 def test_sampling() -> None:
