@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from p2pmesh.drivers.keys import write_key  # noqa: E402
-from p2pmesh.link_tasks import WATCH_PERIOD_S  # noqa: E402
+from p2pmesh.agent.tasks.links import WATCH_PERIOD_S  # noqa: E402
 from tests.agent.harness import AgentProc, control_status, timed_wait  # noqa: E402
 from tests.agent.netns import Bench, require_root  # noqa: E402
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from p2pmesh.core.settings import Settings  # noqa: E402
 from p2pmesh.drivers.control import request, stream  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
-from p2pmesh.models import describe  # noqa: E402
+from p2pmesh.agent.models import describe  # noqa: E402
 from tests.agent.harness import AgentProc, control_status, timed_wait, free_port  # noqa: E402
 from tests.fixtures.tiny_model import make_tiny_model  # noqa: E402
 

@@ -189,7 +189,7 @@ class Chaos:
         write_key(key, random.Random(s.seed).randbytes(32))
         self.agents = bench.agents(self.root, key, tag="h")
         if self.model is not None and self.split > 1:
-            from p2pmesh.models import describe, memory_for_share
+            from p2pmesh.agent.models import describe, memory_for_share
 
             limit = memory_for_share(describe(str(self.model), self.model, GEN_CONTEXT_TOKENS), self.split)
             for agent in self.agents:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 import p2pmesh  # noqa: E402
 from p2pmesh.cli import local_cmd, model_cmd, terminal  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
-from p2pmesh.peer_copy import copy_dir  # noqa: E402
+from p2pmesh.agent.models import copy_dir  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "scripts" / "demo_model"
 MODEL_NAME = "p2pmesh-demo-model"
@@ -75,7 +75,7 @@ class Cluster:
 
 def memory_limit(model: Path) -> int:
     """Room for half the layers: two agents hold the model, one cannot."""
-    from p2pmesh.models import describe, memory_for_share
+    from p2pmesh.agent.models import describe, memory_for_share
 
     return memory_for_share(describe(str(model), model, CONTEXT_TOKENS), 2)
 

@@ -67,7 +67,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 """Plain "User: ... / Assistant:" turns. The template writes its own BOS: p2pmesh sends a
-rendered template as token ids and adds none (p2pmesh/chat_template.py)."""
+rendered template as token ids and adds none (p2pmesh/agent/chat_template.py)."""
 FAST_BLAS_ENV = "P2PMESH_DEMO_FAST_BLAS"
 """Set in the re-executed process to the BLAS it runs on, so it does not re-execute again."""
 

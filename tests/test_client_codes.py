@@ -134,7 +134,7 @@ def test_a_stream_cut_before_its_end_is_an_agent_error_in_both_clients(agent_at:
 
 
 def test_the_limits_are_one_set_with_their_relations() -> None:
-    from p2pmesh import http_api
+    from p2pmesh.agent import http as http_api
     from p2pmesh.worker import protocol as worker
 
     assert protocol.PROMPT_TOKENS_MAX + protocol.GENERATE_TOKENS_MAX <= wire.SEQ_LEN_MAX
@@ -151,7 +151,7 @@ def test_the_limits_are_one_set_with_their_relations() -> None:
     ("top_p", 0), ("prompt_tokens", [protocol.TOKEN_ID_LIMIT]), ("prompt_tokens", [1] * (protocol.PROMPT_TOKENS_MAX + 1)),
 ])
 def test_the_edge_and_the_worker_refuse_the_same_values(field: str, value: Any) -> None:
-    from p2pmesh.agent import _generate_params
+    from p2pmesh.agent.runtime import _generate_params
     from p2pmesh.worker import protocol as worker
 
     request = {"prompt": "hi", field: value}

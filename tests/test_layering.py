@@ -7,6 +7,9 @@
 - sim/ imports only p2pmesh.core (and itself): it runs the core, never the drivers.
 - Only the worker package may import MLX.
 - The CLI (p2pmesh/cli/) is the top layer: nothing else in p2pmesh/ or sim/ imports it.
+- The agent's tasks take ports, not the Agent: no module outside agent/runtime.py (and the
+  package __init__, which re-exports it) imports the Agent class, even for typing; the one
+  program that hosts it in-process (client/embedded.py, `p2pmesh.Agent`) is named below.
 - No import cycles among the files of p2pmesh/ and sim/, counting every import (module
   level, function level, under TYPE_CHECKING), except the ones KNOWN_CYCLES lists while
   their issue is open; the list is exact, so whoever breaks a cycle removes its entry.
@@ -104,6 +107,8 @@ def test_the_layering_test_sees_the_modules() -> None:
     assert {"p2pmesh.cli.app", "p2pmesh.cli.service_cmd", "p2pmesh.cli.agent_cmd", "sim.world"} <= set(graph)
     assert {"p2pmesh.cli.service_cmd", "p2pmesh.cli.status_cmd"} <= graph["p2pmesh.cli.app"]
     assert "p2pmesh.cli.terminal" in graph["p2pmesh.cli.status_cmd"]  # a function-level import counts
+    assert {"p2pmesh.agent.runtime", "p2pmesh.agent.ports", "p2pmesh.agent.tasks.fetch"} <= set(graph)
+    assert "p2pmesh.agent.ports" in graph["p2pmesh.agent.tasks.fetch"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -111,9 +116,6 @@ def test_the_layering_test_sees_the_modules() -> None:
 
 CYCLE_ROOTS = ("p2pmesh", "sim")
 KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"p2pmesh.agent", "p2pmesh.fetch", "p2pmesh.http_api", "p2pmesh.link_tasks", "p2pmesh.models",
-               "p2pmesh.pairing", "p2pmesh.peer_copy", "p2pmesh.workers"}):
-        "issue 14: the agent's tasks take the whole Agent (to become tasks that take ports)",
 }
 """The cycles still open, each with the issue that removes it. Empty is the target."""
 
@@ -228,6 +230,44 @@ def test_the_clients_plans_do_no_io(name: str) -> None:
         top = imported.split(".")[0]
         assert top not in CORE_FORBIDDEN - {"os", "pathlib"}, f"client/{name}:{line} imports {imported} (plans are sans-I/O)"
         assert imported not in ("p2pmesh.client.drivers", "p2pmesh.client.api"), f"client/{name}:{line} imports {imported}"
+
+
+AGENT_CLASS_HOSTS = {
+    "p2pmesh/agent/runtime.py": "defines it",
+    "p2pmesh/agent/__init__.py": "re-exports it (PEP 562, for the CLI and embedders)",
+    "p2pmesh/client/embedded.py": "`p2pmesh.Agent` runs the runtime inside the caller's trio program",
+}
+"""Where the Agent class may be named. Everything else gets ports (agent/ports.py) or, for
+the control socket and the HTTP API, a narrow protocol the Agent satisfies."""
+
+
+def _imports_the_agent_class(path: Path) -> list[int]:
+    """Lines importing the name Agent from the agent package (p2pmesh.agent or
+    p2pmesh.agent.runtime), anywhere in the file: module level, in a function, under
+    TYPE_CHECKING; or importing the runtime module itself (its Agent is then one
+    attribute away)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in ("p2pmesh.agent", "p2pmesh.agent.runtime"):
+            if any(a.name in ("Agent", "*") for a in node.names):
+                lines.append(node.lineno)
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "p2pmesh.agent":
+            if any(a.name == "runtime" for a in node.names):
+                lines.append(node.lineno)
+        if isinstance(node, ast.Import) and any(a.name == "p2pmesh.agent.runtime" for a in node.names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_runtime_names_the_agent_class() -> None:
+    offenders = []
+    for root in CYCLE_ROOTS:
+        for path in _modules(root):
+            where = path.relative_to(ROOT).as_posix()
+            if where not in AGENT_CLASS_HOSTS:
+                offenders += [f"{where}:{line}" for line in _imports_the_agent_class(path)]
+    assert not offenders, f"these import the Agent class (give them ports: agent/ports.py): {offenders}"
+    assert _imports_the_agent_class(ROOT / "p2pmesh" / "client" / "embedded.py"), "the check sees no import at all"
 
 
 def test_the_cli_and_the_client_talk_to_the_agent_only_through_the_client() -> None:

@@ -1,4 +1,4 @@
-"""The agent side of pairing (p2pmesh/pairing.py) over real TCP on loopback: the host and
+"""The agent side of pairing (p2pmesh/agent/tasks/pairing.py) over real TCP on loopback: the host and
 guest sessions agree, a stranger's garbage is refused before any code is shown, and a
 connection that breaks after the code ends the pairing instead of asking again."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import trio
 
-from p2pmesh import pairing
+from p2pmesh.agent.ports import ViewPublisher
+from p2pmesh.agent.tasks import pairing
 from p2pmesh.core.errors import RemoteProtocolError
 from p2pmesh.core.ids import NodeId
 
@@ -17,20 +18,17 @@ KEY = bytes(range(32))
 
 
 @dataclass
-class _Identity:
+class _Mac:
+    """One side's pairing ports (a real view, its key) and the keys it was given."""
+
     node_id: NodeId
-
-
-@dataclass
-class _Agent:
-    """What the sessions use of an agent: its identity, its key, taking a new key."""
-
-    identity: _Identity
     cluster_key: bytes = KEY
     adopted: list[bytes] = field(default_factory=list)
 
-    def adopt_cluster_key(self, key: bytes) -> None:
-        self.adopted.append(key)
+    @property
+    def ports(self) -> pairing.Pairing:
+        config = pairing.PairingConfig(self.node_id, self.cluster_key)
+        return pairing.Pairing(ViewPublisher(self.node_id).view, config, self.adopted.append)
 
 
 async def _connected() -> tuple[trio.SocketStream, trio.SocketStream, trio.SocketListener]:
@@ -55,17 +53,17 @@ async def _no_emit(event: dict[str, Any]) -> None:
 @pytest.mark.trio
 @pytest.mark.parametrize("host_yes, guest_yes", [(True, True), (True, False), (False, True)])
 async def test_the_key_crosses_only_when_both_users_say_yes(host_yes: bool, guest_yes: bool) -> None:
-    host_agent, guest_agent = _Agent(_Identity(NodeId("b" * 32))), _Agent(_Identity(NodeId("a" * 32)), cluster_key=bytes(32))
+    host_agent, guest_agent = _Mac(NodeId("b" * 32)), _Mac(NodeId("a" * 32), cluster_key=bytes(32))
     client, server, listener = await _connected()
     host_seen: list[dict[str, Any]] = []
     guest_seen: list[dict[str, Any]] = []
     results: dict[str, dict[str, Any]] = {}
 
     async def host() -> None:
-        results["host"] = await pairing._host_session(host_agent, server, _no_emit, _asker(host_yes, host_seen))  # type: ignore[arg-type]
+        results["host"] = await pairing._host_session(host_agent.ports, server, _no_emit, _asker(host_yes, host_seen))
 
     async def guest() -> None:
-        results["guest"] = await pairing._guest_session(guest_agent, client, _no_emit, _asker(guest_yes, guest_seen))  # type: ignore[arg-type]
+        results["guest"] = await pairing._guest_session(guest_agent.ports, client, _no_emit, _asker(guest_yes, guest_seen))
 
     with trio.fail_after(20):
         async with client, server, listener, trio.open_nursery() as nursery:
@@ -87,7 +85,7 @@ async def test_garbage_before_a_code_is_refused_and_asks_nothing(garbage: bytes)
             await client.send_all(garbage)
             await client.aclose()
             with pytest.raises(RemoteProtocolError):
-                await pairing._host_session(_Agent(_Identity(NodeId("b" * 32))), server, _no_emit, _asker(True, seen))  # type: ignore[arg-type]
+                await pairing._host_session(_Mac(NodeId("b" * 32)).ports, server, _no_emit, _asker(True, seen))
     assert seen == []
 
 
@@ -110,6 +108,6 @@ async def test_a_guest_gone_after_the_code_ends_the_pairing(autojump_clock: trio
     with trio.fail_after(20):
         async with server, listener, trio.open_nursery() as nursery:
             nursery.start_soon(vanish_after_reveal)
-            result = await pairing._host_session(_Agent(_Identity(NodeId("b" * 32))), server, _no_emit, _asker(True, seen))  # type: ignore[arg-type]
+            result = await pairing._host_session(_Mac(NodeId("b" * 32)).ports, server, _no_emit, _asker(True, seen))
     assert result["paired"] is False and "broke off after the code" in result["error"]
     assert len(seen) == 1

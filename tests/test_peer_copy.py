@@ -1,35 +1,38 @@
 """What a Mac shares of its disk (peer_copy.lookup): only the model the cluster committed,
-only from a directory with a config.json; and where copies go (copy_dir)."""
+only from a directory with a config.json; and where copies go (models.copy_dir)."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from p2pmesh.core.messages import ModelInfo
-from p2pmesh.peer_copy import copy_dir, has_layers, lookup
+from p2pmesh.agent.models import copy_dir, has_layers
+from p2pmesh.agent.ports import Snapshot, ViewPublisher
+from p2pmesh.agent.tasks.peer_copy import ModelPlaces, lookup
+from p2pmesh.core.ids import ClusterId, NodeId
+from p2pmesh.core.messages import ClusterState, ModelInfo
 
 
-def _agent(tmp_path: Path, committed: str | None) -> SimpleNamespace:
+def _lookup(tmp_path: Path, committed: str | None, name: str) -> Path | None:
+    """lookup() with a view whose committed state names ``committed`` as the model."""
     model = None if committed is None else ModelInfo(committed, 2, 1, 1, 1, 1, 1)
-    machine = SimpleNamespace(raft=SimpleNamespace(state=SimpleNamespace(model=model)))
-    config = SimpleNamespace(model_root=tmp_path / "root", state_dir=tmp_path / "state")
-    return SimpleNamespace(machine=machine, config=config)
+    publisher = ViewPublisher(NodeId("me"))
+    publisher.publish(Snapshot(0, NodeId("me"), None, ClusterState(ClusterId("c1"), (), 0, (), (), model=model)))
+    return lookup(publisher.view, ModelPlaces(tmp_path / "state", tmp_path / "root"), name)
 
 
 def test_only_the_committed_model_from_a_model_directory_is_shared(tmp_path: Path) -> None:
     (tmp_path / "root" / "tiny").mkdir(parents=True)
     (tmp_path / "root" / "tiny" / "config.json").write_text("{}")
     (tmp_path / "root" / "docs").mkdir()
-    assert lookup(_agent(tmp_path, "tiny"), "tiny") == tmp_path / "root" / "tiny"  # type: ignore[arg-type]
-    assert lookup(_agent(tmp_path, "tiny"), str(tmp_path / "root" / "docs")) is None  # type: ignore[arg-type]  # not committed
-    assert lookup(_agent(tmp_path, None), "tiny") is None  # type: ignore[arg-type]
-    assert lookup(_agent(tmp_path, "docs"), "docs") is None  # type: ignore[arg-type]  # committed, but no config.json
+    assert _lookup(tmp_path, "tiny", "tiny") == tmp_path / "root" / "tiny"
+    assert _lookup(tmp_path, "tiny", str(tmp_path / "root" / "docs")) is None  # not committed
+    assert _lookup(tmp_path, None, "tiny") is None
+    assert _lookup(tmp_path, "docs", "docs") is None  # committed, but no config.json
     mine = copy_dir(tmp_path / "state", "org/other")
     mine.mkdir(parents=True)
     (mine / "config.json").write_text("{}")
-    assert lookup(_agent(tmp_path, "org/other"), "org/other") == mine  # type: ignore[arg-type]  # a copy is shared on
+    assert _lookup(tmp_path, "org/other", "org/other") == mine  # a copy is shared on
 
 
 def test_copies_of_two_names_never_share_a_directory(tmp_path: Path) -> None:
@@ -40,7 +43,7 @@ def test_copies_of_two_names_never_share_a_directory(tmp_path: Path) -> None:
 
 
 def test_copies_of_other_models_are_pruned_and_nothing_else_is_touched(tmp_path: Path) -> None:
-    from p2pmesh.peer_copy import prune_copies
+    from p2pmesh.agent.models import prune_copies
 
     keep, other = copy_dir(tmp_path, "tiny"), copy_dir(tmp_path, "org/old")
     for d in (keep, other):
@@ -59,7 +62,7 @@ def test_the_http_api_finds_the_tokenizer_of_a_model_this_mac_only_copied(tmp_pa
     chat templates and token counts must come from its copy."""
     import shutil
 
-    from p2pmesh.http_api import Tokenizers
+    from p2pmesh.agent.http import Tokenizers
     from tests.agent.harness import ROOT
 
     mine = copy_dir(tmp_path / "state", "p2pmesh-demo-model")

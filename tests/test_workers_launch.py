@@ -1,4 +1,4 @@
-"""How an epoch's worker joins its group (p2pmesh/workers.py group_launch): MLX's ring
+"""How an epoch's worker joins its group (p2pmesh/agent/tasks/workers.py group_launch): MLX's ring
 backend with a hostfile over TCP, or JACCL when every hop is RDMA-capable. JACCL itself
 cannot run here (no Thunderbolt 5 RDMA on Linux); what it is given is checked."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from p2pmesh.core.dataplane import WantedWorker
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import Capabilities, Member, RingHop, Stage
 from p2pmesh.core.mlx_hostfile import MlxConfigError, epoch_base_port
-from p2pmesh.workers import group_launch
+from p2pmesh.agent.tasks.workers import group_launch
 
 A, B, C = NodeId("a" * 32), NodeId("b" * 32), NodeId("c" * 32)
 STAGES = (Stage(A, 0, 3), Stage(B, 3, 6), Stage(C, 6, 8))

@@ -5,7 +5,7 @@
                 [--memory-limit BYTES] [--layer-ms MS] [--model-root DIR] [--configure-links]
                 [--log-level LEVEL] [--log-format text|json]
 
-This module turns the options into an AgentConfig and runs p2pmesh.agent.run_agent under
+This module turns the options into an AgentConfig and runs p2pmesh.agent.run_agent (agent/runtime.py) under
 trio. `service install` checks the arguments it will start the agent with against this
 same parser (add_parser), so a service never starts into a crash loop.
 
@@ -74,7 +74,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import trio
 
-    from p2pmesh import http_api
+    from p2pmesh.agent import http as http_api
     from p2pmesh.agent import AgentConfig, configure_logging, run_agent
     from p2pmesh.core.errors import StateCorrupted
     from p2pmesh.drivers.keys import KeyError_

@@ -1,5 +1,5 @@
 """`p2pmesh pair [--join]`: let a new Mac into the cluster over a Thunderbolt cable after
-both users check a six-digit code (p2pmesh/pairing.py, docs/pairing.md).
+both users check a six-digit code (p2pmesh/agent/tasks/pairing.py, docs/pairing.md).
 
 On a Mac of the cluster: `p2pmesh pair`. On the new Mac: `p2pmesh pair --join`. Each
 prints the code and asks "same code on the other Mac? [y/N]"; `--yes-if-code CODE` answers
@@ -15,7 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from p2pmesh import pairing
+from p2pmesh.agent.tasks import pairing
 from p2pmesh.cli.common import add_target, socket_of
 
 if TYPE_CHECKING:

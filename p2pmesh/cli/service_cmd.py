@@ -295,7 +295,7 @@ def _agent_args(extra: list[str]) -> tuple[str, ...]:
         raise _Refused(f"--cluster-key-file {parsed.cluster_key_file} must be an absolute path: the service "
                        "does not start in this directory", EXIT_USAGE)
     if not parsed.no_http:
-        from p2pmesh import http_api
+        from p2pmesh.agent import http as http_api
 
         try:
             http_api.endpoint(parsed.http, parsed.http_token)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from p2pmesh import chat_template
+from p2pmesh.agent import chat_template
 from p2pmesh.client.errors import BadRequest, P2PMeshError
 
 
@@ -39,15 +39,16 @@ def model_directory(name: str, model_root: Path | None, state_dir: Path | None =
     """The model's files on this machine, for its tokenizer and chat template: its own
     directory, the agent's copy of it from another Mac (in the agent's state directory),
     or, for a Hugging Face id, its metadata."""
-    from p2pmesh import model_files, models, peer_copy
+    from p2pmesh.agent import models
+    from p2pmesh.drivers import model_files
 
     local = models.located(name, model_root)
     try:
         return models.resolve(local, allow_download=False)
     except models.ModelError:
         pass
-    if state_dir is not None and (peer_copy.copy_dir(state_dir, name) / "config.json").is_file():
-        return peer_copy.copy_dir(state_dir, name)
+    if state_dir is not None and (models.copy_dir(state_dir, name) / "config.json").is_file():
+        return models.copy_dir(state_dir, name)
 
     if not model_files.is_hub_id(name):
         raise P2PMeshError(f"chat needs the tokenizer of {name}, and there is no such directory on this machine; "

@@ -1,4 +1,4 @@
-"""`p2pmesh.Agent`: a p2pmesh agent (p2pmesh/agent.py) run inside the caller's trio program."""
+"""`p2pmesh.Agent`: a p2pmesh agent (p2pmesh/agent/runtime.py) run inside the caller's trio program."""
 from __future__ import annotations
 
 import contextlib

@@ -160,7 +160,7 @@ ANSWER_BYTES_MAX = 1024
 
 
 async def _pair(stream: trio.SocketStream, rest: bytes, request: dict[str, Any], agent: _Agent) -> None:
-    """A pairing (p2pmesh/pairing.py) is a conversation: progress events go out as lines,
+    """A pairing (p2pmesh/agent/tasks/pairing.py) is a conversation: progress events go out as lines,
     and an event with a "question" waits for one answer line ``{"same_code": true}`` from
     the user. Anything but a clear yes is a no; a line that comes when nothing was asked is
     dropped (it must never answer a later question). When the user's command goes away the

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from p2pmesh.core.model_spec import ModelSpecError, TensorEntry, parse_safetensors_header
-from p2pmesh.model_files import ModelFilesError, weight_map
+from p2pmesh.drivers.model_files import ModelFilesError, weight_map
 
 HEADER_PEEK_BYTES = 1 << 20
 """Read this much first; a larger header is read in a second call."""

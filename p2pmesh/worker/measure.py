@@ -32,7 +32,7 @@ def model_sizes(name: str, path: Path) -> dict[str, Any]:
     """The model_spec numbers from config.json and the safetensors headers (no weights read;
     the hub's headers for the files this Mac has not fetched)."""
     from p2pmesh.core.model_spec import model_spec
-    from p2pmesh.model_files import tensor_bytes
+    from p2pmesh.drivers.model_files import tensor_bytes
     from p2pmesh.worker.checkpoint import read_config
 
     spec = model_spec(read_config(path), tensor_bytes(name, path))
@@ -69,7 +69,7 @@ def layer_decode_ms(path: Path, layers: int, context: int = CONTEXT) -> float:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from p2pmesh.model_files import measured_layer
+    from p2pmesh.drivers.model_files import measured_layer
     from p2pmesh.worker.model import load_shard
 
     index = measured_layer(layers)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="a local model directory or a Hugging Face id")
     parser.add_argument("--context", type=int, default=CONTEXT)
     args = parser.parse_args(argv)
-    from p2pmesh.model_files import ModelFilesError, measured_layers, num_layers
+    from p2pmesh.drivers.model_files import ModelFilesError, measured_layers, num_layers
     from p2pmesh.worker.checkpoint import CheckpointError, read_config
     from p2pmesh.worker.model import ModelError, resolve_model
 

@@ -25,7 +25,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.utils import MODEL_REMAPPING, _get_classes, infer_quant_config
 
-from p2pmesh import model_files
+from p2pmesh.drivers import model_files
 from p2pmesh.core.model_spec import LAYER_RE, stage_tensors
 from p2pmesh.worker.checkpoint import CheckpointError, locate, read_config, read_tensors
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (p2pmesh/http_api.py) with the real `openai` package as the
+"""The OpenAI-compatible HTTP API (p2pmesh/agent/http/) with the real `openai` package as the
 client.
 
 - Against a real agent: one in-process Agent (a one-member cluster serving a tiny MLX model
@@ -32,7 +32,7 @@ import openai
 import pytest
 import trio
 
-from p2pmesh.http_api import (
+from p2pmesh.agent.http import (
     HttpBindError,
     HttpConfigError,
     HttpLimits,

@@ -80,7 +80,7 @@ print(json.dumps(out))
 
 
 def _layer_bytes(model: Path) -> int:
-    from p2pmesh.models import describe
+    from p2pmesh.agent.models import describe
 
     info = describe(str(model), model, CONTEXT)
     return info.layer_bytes + info.kv_bytes_per_token_per_layer * CONTEXT, info.embed_bytes  # type: ignore[return-value]

@@ -80,7 +80,7 @@ def _serving(a: AgentProc, stages: int) -> dict[str, Any] | None:
 
 def test_a_model_too_big_is_refused_within_seconds_and_a_joining_mac_makes_it_serve(tmp_path: Path, tiny_model: Path) -> None:
     from p2pmesh.core import fit
-    from p2pmesh.models import describe, memory_for_share
+    from p2pmesh.agent.models import describe, memory_for_share
 
     info = describe(str(tiny_model), tiny_model, CONTEXT)
     share = memory_for_share(info, 3)

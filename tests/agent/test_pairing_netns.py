@@ -1,4 +1,4 @@
-"""Pairing over a cable (`p2pmesh pair`, p2pmesh/pairing.py) with real agents in two network
+"""Pairing over a cable (`p2pmesh pair`, p2pmesh/agent/tasks/pairing.py) with real agents in two network
 namespaces joined by a Thunderbolt-marked veth: each Mac starts with its own cluster key;
 a refused code changes nothing; confirmed codes give the new Mac the key, and it restarts
 into the other Mac's cluster."""

@@ -1,5 +1,5 @@
 """A model on one Mac's disk only: the other Macs copy what they need from it over the
-cluster's links (drivers/files.py, peer_copy.py) and the cluster serves it. Real agent
+cluster's links (drivers/files.py, agent/tasks/peer_copy.py) and the cluster serves it. Real agent
 processes on loopback, each with its own --model-root; only the first one's holds the
 model (a sharded tiny llama, 3 files), so the others can get it only from a peer.
 
@@ -14,10 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from p2pmesh import model_files
+from p2pmesh.drivers import model_files
 from p2pmesh.drivers.control import request
 from p2pmesh.drivers.files import read_manifest
-from p2pmesh.peer_copy import copy_dir
+from p2pmesh.agent.models import copy_dir
 from tests.agent.harness import ROOT, AgentProc, free_port, make_model, one_cluster, wait_for
 from tests.agent.test_inference_loopback import _generate, _serving
 
@@ -45,7 +45,7 @@ print(json.dumps(out))
 
 def test_a_model_on_one_mac_is_copied_to_the_others_and_served(tmp_path: Path) -> None:
     from p2pmesh.drivers.keys import write_key
-    from p2pmesh.models import describe, memory_for_share
+    from p2pmesh.agent.models import describe, memory_for_share
 
     roots = [tmp_path / f"root{i}" for i in range(3)]
     for r in roots:

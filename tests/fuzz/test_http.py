@@ -1,4 +1,4 @@
-"""Fuzz target: the HTTP API's request bodies (p2pmesh/http_api.py), driven in-process.
+"""Fuzz target: the HTTP API's request bodies (p2pmesh/agent/http/), driven in-process.
 
 The real ASGI app (HttpApi) gets POST /v1/completions and /v1/chat/completions with
 arbitrary bytes, arbitrary JSON, requests built from the API's own fields with values of
@@ -24,15 +24,15 @@ import trio
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from p2pmesh.agent import _generate_params
+from p2pmesh.agent.runtime import _generate_params
 from p2pmesh.core.protocol import ErrorCode, RequestInvalid, error_answer
-from p2pmesh.http_api import (
+from p2pmesh.agent.http import (
     CHAT_ROLES,
     ApiError,
     HttpApi,
     HttpLimits,
     Tokenizers,
-    _Loaded,
+    Loaded,
     parse_chat,
     parse_completion,
 )
@@ -69,8 +69,8 @@ class _NoTokenizers(Tokenizers):
     """The served model's tokenizer cannot be loaded here (the documented fallback: no
     token counts, the plain-text chat prompt)."""
 
-    async def get(self, name: str) -> _Loaded:
-        return _Loaded(None)
+    async def get(self, name: str) -> Loaded:
+        return Loaded(None)
 
 
 async def _post(app: HttpApi, path: str, body: bytes, cuts: list[int], declare_length: bool) -> tuple[int, bytes]:

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from p2pmesh import chat_template
+from p2pmesh.agent import chat_template
 from p2pmesh.worker.checkpoint import locate
 from p2pmesh.worker.model import load_shard
 from tests.fixtures.demo_model import CORPUS_FILE, DEMO_MODEL_DIR, DEMO_PROMPTS, MAX_BYTES

@@ -1,4 +1,4 @@
-"""Only the files a Mac needs come from Hugging Face (p2pmesh/model_files.py): naming a
+"""Only the files a Mac needs come from Hugging Face (p2pmesh/drivers/model_files.py): naming a
 model fetches its metadata, measuring fetches the file holding the timed layer, and a stage
 fetches the files holding its layers, while every Mac still describes the whole model from
 the safetensors headers.
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from p2pmesh import model_files, models
+from p2pmesh.agent import models
+from p2pmesh.drivers import model_files
 from p2pmesh.worker import measure
 from p2pmesh.worker.checkpoint import read_header
 from p2pmesh.worker.model import load_shard, resolve_model
@@ -127,17 +128,20 @@ def test_a_malformed_index_from_the_hub_is_a_clear_error(hub: FakeHub, repo: Pat
 
 
 def test_the_agent_fetches_a_stage_no_other_mac_has_from_the_hub(hub: FakeHub, repo: Path, tmp_path: Path) -> None:
-    """p2pmesh/fetch.ensure_layers, as before a worker starts: no member to copy from, so
+    """p2pmesh/agent/tasks/fetch.ensure_layers, as before a worker starts: no member to copy from, so
     only the stage's files come from the hub, shown in the Mac's copy directory; a local
     directory needs nothing fetched; a name that is neither is a clear error."""
-    from types import SimpleNamespace
+    import ssl
 
     import trio
 
-    from p2pmesh.fetch import ensure_layers
+    from p2pmesh.agent.ports import ViewPublisher
+    from p2pmesh.agent.tasks.fetch import ensure_layers
+    from p2pmesh.agent.tasks.peer_copy import ModelPlaces, PeerCopy
+    from p2pmesh.core.ids import NodeId
 
-    agent = SimpleNamespace(machine=None, config=SimpleNamespace(model_root=None, state_dir=tmp_path / "state"),
-                            copy_locks={})
+    # Not in a cluster yet: no member to copy from.
+    agent = PeerCopy(ViewPublisher(NodeId("me")).view, ModelPlaces(tmp_path / "state"), ssl.create_default_context())
     config = json.loads((repo / "config.json").read_text())
     path = trio.run(ensure_layers, agent, REPO, (4, LAYERS))
     assert sorted(hub.fetched) == model_files.files_for_layers(config, _weight_map(repo), 4, LAYERS)
@@ -151,7 +155,7 @@ def test_the_agent_fetches_a_stage_no_other_mac_has_from_the_hub(hub: FakeHub, r
 def test_a_hub_download_is_linked_into_the_copy_directory(hub: FakeHub, repo: Path, tmp_path: Path) -> None:
     """What a Mac fetched from the hub is shown in its copy directory (symlinks), so it loads
     from, and serves to the other Macs, one directory whatever each file came from."""
-    from p2pmesh.peer_copy import copy_dir, has_layers, link_snapshot
+    from p2pmesh.agent.models import copy_dir, has_layers, link_snapshot
 
     snapshot = model_files.fetch_layers(REPO, (0, 2))
     dest = copy_dir(tmp_path / "state", REPO)

@@ -1,14 +1,18 @@
-"""The agent: one trio task owns the core Machine; drivers feed it inputs and carry out
-its effects.
+"""The agent's runtime: one trio task owns the core Machine; drivers feed it inputs and carry
+out its effects; the tasks (agent/tasks/) get ports (agent/ports.py), never this class.
 
 The loop, for every input (a frame, a discovered peer, a timer, a control request):
   ready = machine.handle(input, now_ms)
   storage.save(ready)          # durable part, fsynced, BEFORE anything leaves
   transport.send(messages)     # then the messages
   act on applied entries, reads, events, left
+  publish a new ClusterView snapshot   # what tasks and status may act on: durable only
 Timers: the loop waits on the inbox until machine.next_deadline_ms(), then feeds TimerFired.
-Every other task (listeners, dialers, the control socket) only puts inputs into the one
-bounded inbox, so the core needs no locks.
+Every other task (listeners, dialers, the control socket, the agent's tasks) only puts
+inputs into the one bounded inbox, so the core needs no locks.
+
+Only this module (and the package's __init__, which re-exports it) names the Agent class;
+the control socket (drivers/control.py) and the HTTP API see it through narrow protocols.
 """
 from __future__ import annotations
 
@@ -20,16 +24,21 @@ import random
 import signal
 import ssl
 import sys
-from dataclasses import dataclass, field
-from functools import partial
-from pathlib import Path
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
 
-from p2pmesh import fetch, http_api, link_tasks, models, pairing, peer_copy
-from p2pmesh.core import fit, validate, wire
+from p2pmesh.agent import models
+from p2pmesh.agent.config import AgentConfig
+from p2pmesh.agent.http import serve_http
+from p2pmesh.agent.ports import Inbox, Snapshot, ViewPublisher
+from p2pmesh.agent.status import status_json
+from p2pmesh.agent.tasks import fetch, links, measure, pairing, peer_copy
+from p2pmesh.agent.tasks.workers import Supervisor, WorkersConfig
+from p2pmesh.core import validate, wire
 from p2pmesh.core.errors import LocalProtocolError
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.ids import ClusterId
@@ -45,13 +54,10 @@ from p2pmesh.core.machine import (
     Ready,
     TimerFired,
 )
-from p2pmesh.core.messages import Capabilities, PortInfo, SetModel
+from p2pmesh.core.messages import Capabilities, SetModel
 from p2pmesh.core import protocol
 from p2pmesh.core.protocol import ErrorCode, RequestInvalid, error_answer
 from p2pmesh.core.serving import ClientEvent, GenerateParams
-from p2pmesh.workers import Supervisor
-from p2pmesh.core.ring_view import ring_json
-from p2pmesh.core.settings import Settings
 from p2pmesh.drivers import control, files, keys
 from p2pmesh.drivers.storage import Storage
 from p2pmesh.core.advert import Advert
@@ -63,51 +69,12 @@ from p2pmesh.drivers.transport import Transport
 log = logging.getLogger("p2pmesh.agent")
 
 INBOX_LEN_MAX = 4096
-DEFAULT_PORT = 7741
 DEFAULT_CONTEXT_TOKENS = protocol.CONTEXT_TOKENS_DEFAULT
 CLIENT_EVENTS_MAX = 8192
 READ_TIMEOUT_S = 5.0
 """A linearizable read that no leader confirmed in this time fails (the client retries)."""
 READS_PENDING_MAX = 256
 LOG_ENTRIES_MAX = 256
-
-
-def default_state_dir() -> Path:
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Application Support" / "p2pmesh"
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "p2pmesh"
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    state_dir: Path = field(default_factory=default_state_dir)
-    listen: tuple[str, ...] = (f":{DEFAULT_PORT}",)
-    """Every IPv4 and IPv6 address: the agent advertises its IPv6 link-local addresses too."""
-    peers: tuple[str, ...] = ()
-    interfaces: tuple[str, ...] = ()
-    cluster_key_file: Path | None = None
-    advertise: tuple[str, ...] = ()
-    """Addresses other agents should dial (defaults to the listen address)."""
-    settings: Settings = Settings()
-    leave_on_exit: bool = False
-    mdns: bool = True
-    configure_links: bool = False
-    """Add the planned data-plane addresses to this Mac's ring interfaces (explicit consent)."""
-    data_port_base: int = 47000
-    """Workers of data-plane epoch E listen on base + (E mod 64) * 16 + rank."""
-    model_root: Path | None = None
-    """Where relative model names are looked up (tests and the demo; default: as given)."""
-    memory_limit_bytes: int | None = None
-    """Offer at most this much memory to the cluster (a Mac someone also works on)."""
-    layer_ms: float | None = None
-    """Publish this time per layer instead of the measured one (the memory is still measured)."""
-    http: http_api.HttpEndpoint | None = None
-    """Where to serve the OpenAI-compatible HTTP API (docs/http.md); None: not served."""
-
-    @property
-    def socket_path(self) -> Path:
-        return self.state_dir / "agent.sock"
 
 
 def _capabilities(data_port: int) -> Capabilities:
@@ -152,7 +119,7 @@ class Agent:
         self.transport: Transport | None = None
         self.left = trio.Event()
         self.new_key: bytes | None = None
-        """A cluster key pairing received (p2pmesh/pairing.py): the agent stops, forgets its
+        """A cluster key pairing received (p2pmesh/agent/tasks/pairing.py): the agent stops, forgets its
         one-Mac cluster, installs the key and starts again (run_agent)."""
         self.finished = trio.Event()
         """Set when the core loop has ended: a completed leave, or a new key to start over with."""
@@ -163,13 +130,18 @@ class Agent:
         self.control_active = 0
         self.started_ms = 0
         self.clients: dict[str, trio.MemorySendChannel[ClientEvent]] = {}
-        self.supervisor = Supervisor(self, base_port=config.data_port_base, model_root=config.model_root)
+        self._publisher = ViewPublisher(self.identity.node_id)
+        self.view = self._publisher.view
+        """What the tasks read: committed state that is on disk (agent/ports.py)."""
+        self.inbox_port = Inbox(self.inbox_send)
+        self.places = peer_copy.ModelPlaces(config.state_dir, config.model_root)
+        self.supervisor = Supervisor(self.view, self.inbox_port, WorkersConfig(
+            self.identity.node_id, config.state_dir, config.data_port_base, config.model_root))
+        self._pairing: pairing.Pairing | None = None
+        """Set once the agent listens (pairing's host listens at the bound port + 3)."""
         self._requests = 0
         self.reads: dict[int, _PendingRead] = {}
         self._read_ctx = 0
-        self.copy_locks: dict[str, trio.Lock] = {}
-        """One copy of a model's files from the other Macs at a time (measure and fetch
-        could otherwise write the same file): peer_copy.copy_layers."""
         self._acted: tuple[ClusterId, int, int] | None = None
         """(cluster, incarnation, commit index) as of the last Ready whose durable part is saved: what
         may be shown as committed (the leader counts its own entries before they are on disk,
@@ -194,7 +166,8 @@ class Agent:
             except OSError as exc:
                 log.warning("cannot share model files on %s port %d: %s", host or "*", port, exc)
         if file_listeners:
-            await nursery.start(files.serve_files, file_listeners, server_ctx, lambda name: peer_copy.lookup(self, name))
+            await nursery.start(files.serve_files, file_listeners, server_ctx,
+                                lambda name: peer_copy.lookup(self.view, self.places, name))
 
     @staticmethod
     def now_ms() -> int:
@@ -239,19 +212,29 @@ class Agent:
                 addresses=advertise,
                 caps=caps,
             )
+            discovery = self.discovery
+            self._pairing = pairing.Pairing(
+                self.view, pairing.PairingConfig(self.identity.node_id, self.cluster_key, bound_port, cfg.cluster_key_file),
+                self.adopt_cluster_key, (lambda: discovery.strangers) if discovery is not None else None)
             await nursery.start(control.serve, cfg.socket_path, self)
             if cfg.http is not None:
-                await nursery.start(partial(http_api.serve_http, self, cfg.http.host, cfg.http.port, token=cfg.http.token))
-            nursery.start_soon(link_tasks.watch_ports, self)
-            nursery.start_soon(link_tasks.probes, self, bound_port + link_tasks.PROBE_PORT_OFFSET)
-            nursery.start_soon(link_tasks.warn_bridges, self)
+                await nursery.start(partial(serve_http, self, cfg.http.host, cfg.http.port, token=cfg.http.token,
+                                            model_root=cfg.model_root, state_dir=cfg.state_dir))
+            # The tasks: each gets the view, the inbox and its own config, never this object.
+            inbox, view = self.inbox_port, self.view
+            copier = peer_copy.PeerCopy(view, self.places, client_ctx)
+            nursery.start_soon(links.watch_ports, inbox, cfg.interfaces)
+            nursery.start_soon(links.probes, view, inbox, links.ProbeConfig(
+                bound_port + links.PROBE_PORT_OFFSET, *self.credentials.contexts()))
+            nursery.start_soon(links.warn_bridges, view)
             nursery.start_soon(self.supervisor.run)
-            nursery.start_soon(models.measure_loop, self)
+            nursery.start_soon(measure.measure_loop, view, inbox, copier,
+                               measure.MeasureConfig(cfg.memory_limit_bytes, cfg.layer_ms))
             if not fixed:  # listening on every address: follow them as cables and networks change
-                nursery.start_soon(link_tasks.watch_addresses, self, bound_port, advertise)
-            nursery.start_soon(fetch.fetch_loop, self)
+                nursery.start_soon(links.watch_addresses, inbox, partial(self.interface_advert, bound_port), advertise)
+            nursery.start_soon(fetch.fetch_loop, view, inbox, copier)
             if cfg.configure_links:
-                nursery.start_soon(link_tasks.configure_links, self)
+                nursery.start_soon(links.configure_links, view)
             await self._act(ready)
             task_status.started()
             await self._loop()
@@ -266,7 +249,9 @@ class Agent:
         """`p2pmesh pair` (docs/pairing.md): let a Mac in over a cable, or with ``join``,
         get the key of the Mac at the other end of one."""
         try:
-            return await pairing.pair(self, request, emit, ask)
+            if self._pairing is None:
+                raise pairing.PairingError("the agent is still starting; try again in a few seconds")
+            return await pairing.pair(self._pairing, request, emit, ask)
         except pairing.PairingError as exc:
             return {"paired": False, "error": str(exc)}
         except Exception as exc:  # our bug: the user gets an answer, the agent keeps running
@@ -283,10 +268,8 @@ class Agent:
         if type(key) is not bytes or len(key) != keys.KEY_BYTES:
             raise LocalProtocolError(f"a cluster key is {keys.KEY_BYTES} bytes")
         self.new_key = key
-        try:
-            self.inbox_send.send_nowait(TimerFired())  # wake the loop now, not at its next deadline
-        except trio.WouldBlock:
-            pass  # a full inbox wakes it anyway
+        # Wake the loop now, not at its next deadline (a full inbox wakes it anyway).
+        self.inbox_port.put_nowait(TimerFired())
 
     async def _loop(self) -> None:
         machine = self.machine
@@ -334,6 +317,11 @@ class Agent:
         m = self.machine
         r = m.raft if m is not None else None
         self._acted = (r.cluster, m.inc, r.commit) if m is not None and r is not None else None
+        if m is not None:
+            # 4. the tasks see the state this Ready left, now that its durable part is saved.
+            self._publisher.publish(Snapshot(
+                0, self.identity.node_id, m.status(), r.state if r is not None else None, m.facts.ports,
+                m.facts.probes, m.facts.measure, m.router.resumed, m.router.asked_again))
         if ready.left:
             self.left.set()
 
@@ -484,41 +472,9 @@ class Agent:
             self.clients.pop(req, None)
 
     def status(self) -> dict[str, Any]:
-        m = self.machine
-        if m is None:
-            return {"node_id": self.identity.node_id, "pid": os.getpid(), "cluster_id": None, "role": "starting",
-                    "term": 0, "leader": None, "commit_index": 0, "applied_index": 0, "healthy": False,
-                    "members": [], "ring": None, "placement": None, "state_dir": str(self.config.state_dir)}
-        st = m.status()
-        r = m.raft
-        members = []
-        ring: dict[str, Any] | None = None
-        placement: dict[str, Any] | None = None
-        if r is not None:
-            for mem in r.state.members:
-                members.append({
-                    "node_id": mem.node_id, "voter": mem.voter, "up": mem.up, "addresses": list(mem.addresses),
-                    "ports": [_port_json(p) for p in mem.ports], "data_port": mem.caps.data_port,
-                })
-            ring = ring_json(r.state)
-            placement = placement_json(r.state)
-        return {
-            "node_id": st.node_id,
-            "pid": os.getpid(),
-            "cluster_id": st.cluster,
-            "role": st.role,
-            "term": st.term,
-            "leader": st.leader,
-            "commit_index": st.commit_index,
-            "applied_index": st.applied_index,
-            "healthy": st.healthy,
-            "members": members,
-            "ring": ring,
-            "placement": placement,
-            "requests_resumed": m.router.resumed,
-            "requests_asked_again": m.router.asked_again,
-            "state_dir": str(self.config.state_dir),
-        }
+        """Control op `status`: this agent's view (agent/status.py), as of the last Ready
+        whose durable part is saved."""
+        return status_json(self.view.current, self.config.state_dir)
 
 
 def _generate_params(r: dict[str, Any]) -> GenerateParams:
@@ -544,47 +500,6 @@ def _generate_params(r: dict[str, Any]) -> GenerateParams:
     if not P.is_int(seed) or not 0 <= seed < P.SEED_LIMIT:
         raise RequestInvalid(f"seed must be an integer from 0 to {P.SEED_LIMIT - 1}", "seed")
     return GenerateParams(prompt, tuple(tokens or ()), max_tokens, float(temperature), float(top_p), seed)
-
-
-def placement_json(state: Any) -> dict[str, Any]:
-    """The status `placement` object: the serving epoch's stages (and a pending one)."""
-    def stages(ss: Any) -> list[dict[str, Any]]:
-        return [{"node_id": s.node_id, "layers": [s.start, s.end]} for s in ss]
-
-    up = {m.node_id for m in state.members if m.up}
-    out: dict[str, Any] = {
-        "epoch": state.active_epoch,
-        "model": state.model.name if state.model else None,
-        "stages": stages(state.active),
-        "serving": bool(state.active) and all(s.node_id in up for s in state.active),
-    }
-    if state.placement_epoch > state.active_epoch:
-        out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), "ready": list(state.ready),
-                          "fetched": list(state.fetched)}
-    problem = _placement_problem(state)
-    if problem is not None:
-        out["problem"] = problem.to_json()
-    out["restarts"] = state.restarts
-    if state.fault is not None:
-        f = state.fault
-        out["fault"] = {"code": f.code, "node_id": f.node_id, "address": f.address, "port": f.port,
-                        "reporter": f.reporter, "epoch": f.epoch, "message": f.message}
-    return out
-
-
-_problem_memo: list[Any] = [None, None]
-
-
-def _placement_problem(state: Any) -> fit.PlacementProblem | None:
-    """core/fit.py's verdict, computed once per committed state (clients poll status)."""
-    if _problem_memo[0] is not state:
-        _problem_memo[:] = [state, fit.problem(state)]
-    return _problem_memo[1]  # type: ignore[no-any-return]
-
-
-def _port_json(p: PortInfo) -> dict[str, Any]:
-    return {"interface": p.interface, "kind": p.kind, "domain_uuid": p.domain_uuid, "peer_domain_uuid": p.peer_domain_uuid,
-            "up": p.up, "gbps": p.gbps, "ipv4": list(p.ipv4), "rdma": p.rdma}
 
 
 def _dial(host: str, port: int) -> str:

@@ -7,7 +7,7 @@ dials the Macs with another cluster key that zeroconf saw on one of its Thunderb
 cables, never anything else. Both Macs show a six-digit code; each user confirms that the
 two codes match. Then the host seals its cluster key to the guest, and the guest's agent
 forgets its one-Mac cluster, installs the key and restarts itself into the host's cluster
-(agent.run_agent). Nothing is changed on either Mac when a code is refused, a step times
+(agent/runtime.run_agent). Nothing is changed on either Mac when a code is refused, a step times
 out or the other end misbehaves.
 
 Frames: a 2-byte big-endian length, then one message of at most MESSAGE_BYTES_MAX bytes.
@@ -18,20 +18,19 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import trio
 
+from p2pmesh.agent.ports import ClusterView
 from p2pmesh.core import pairing
 from p2pmesh.core.errors import LocalProtocolError, RemoteProtocolError
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.pairing import PairingRefused
 from p2pmesh.drivers.streams import recv_exactly
-
-if TYPE_CHECKING:
-    from p2pmesh.agent import Agent
 
 log = logging.getLogger("p2pmesh.pairing")
 
@@ -51,6 +50,29 @@ Ask = Callable[[dict[str, Any]], Awaitable[bool]]
 
 class PairingError(Exception):
     """Pairing could not run or did not finish; the message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class PairingConfig:
+    node_id: NodeId
+    cluster_key: bytes = field(repr=False)
+    port: int = 0
+    """The agent's bound port: the host listens at port + PAIR_PORT_OFFSET."""
+    cluster_key_file: Path | None = None
+    """Set when the user keeps the key in a file of their own: a guest refuses to replace it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pairing:
+    """What pairing uses of the agent: the view (its ports, whether it is in a cluster and
+    how large), its configuration, the Macs zeroconf saw with another cluster key (None:
+    the agent runs without mDNS), and a way to take a new key (the runtime restarts into
+    its cluster)."""
+
+    view: ClusterView
+    config: PairingConfig
+    adopt_key: Callable[[bytes], None]
+    strangers: Callable[[], Mapping[NodeId, tuple[str, ...]]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,13 +98,12 @@ async def receive_frame(stream: trio.abc.Stream, timeout_s: float = STEP_TIMEOUT
         return await recv_exactly(stream, size)
 
 
-async def cable_interfaces(agent: Agent) -> dict[str, tuple[str, ...]]:
+async def cable_interfaces(view: ClusterView) -> dict[str, tuple[str, ...]]:
     """This Mac's Thunderbolt interfaces that are up, with their IPv4 networks (CIDR), and
     any bridge over one (macOS's Thunderbolt Bridge holds the cable's addresses)."""
     from p2pmesh.drivers.netconfig import NetconfigError, gather_bridges
 
-    m = agent.machine
-    ports = {p.interface: tuple(p.ipv4) for p in (m.facts.ports if m else ()) if p.kind == "thunderbolt" and p.up}
+    ports = {p.interface: tuple(p.ipv4) for p in view.current.ports if p.kind == "thunderbolt" and p.up}
     try:
         bridges = await gather_bridges() if ports else {}
     except NetconfigError as exc:
@@ -113,11 +134,11 @@ def on_cable(address: str, cables: dict[str, tuple[str, ...]]) -> bool:
     return pairing.on_cable(address, cables, _interface_of_scope)
 
 
-async def _listen_hosts(agent: Agent) -> list[str]:
+async def _listen_hosts(view: ClusterView) -> list[str]:
     """Where the host listens: its cables' IPv4 addresses and IPv6 link-local addresses."""
     from p2pmesh.drivers.discovery import interface_addresses
 
-    cables = await cable_interfaces(agent)
+    cables = await cable_interfaces(view)
     hosts = [cidr.split("/")[0] for networks in cables.values() for cidr in networks]
     if cables:
         hosts += [a for a in interface_addresses(cables, include_loopback=False) if a.startswith("fe80")]
@@ -131,24 +152,24 @@ def _window(request: dict[str, Any]) -> float:
     return float(window)
 
 
-async def pair(agent: Agent, request: dict[str, Any], emit: Emit, ask: Ask) -> dict[str, Any]:
+async def pair(me: Pairing, request: dict[str, Any], emit: Emit, ask: Ask) -> dict[str, Any]:
     """Run one pairing as the user asked (``join``: this Mac is the guest). Returns the
     final event; PairingError for what the user must fix first."""
     window = _window(request)
-    if agent.machine is None or agent.machine.raft is None:
+    if me.view.current.state is None:
         raise PairingError("the agent is still starting; try again in a few seconds")
     with trio.move_on_after(window):
         if request.get("join"):
-            return await _guest(agent, window, emit, ask)
-        return await _host(agent, window, emit, ask)
+            return await _guest(me, window, emit, ask)
+        return await _host(me, window, emit, ask)
     return {"paired": False, "error": f"no Mac paired within {window:.0f} s"}
 
 
-async def _host(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str, Any]:
-    hosts = await _listen_hosts(agent)
+async def _host(me: Pairing, window: float, emit: Emit, ask: Ask) -> dict[str, Any]:
+    hosts = await _listen_hosts(me.view)
     if not hosts:
         raise PairingError("no Thunderbolt cable with an address is connected to this Mac: pairing works over a direct cable")
-    port = agent.bound_port + PAIR_PORT_OFFSET
+    port = me.config.port + PAIR_PORT_OFFSET
     listeners: list[trio.SocketListener] = []
     for host in hosts:
         try:
@@ -158,13 +179,13 @@ async def _host(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str, 
     if not listeners:
         raise PairingError(f"cannot listen for pairing on port {port} of this Mac's cables")
     try:
-        return await _host_listening(agent, listeners, [f"{h}:{port}" for h in hosts], window, emit, ask)
+        return await _host_listening(me, listeners, [f"{h}:{port}" for h in hosts], window, emit, ask)
     finally:
         for listener in listeners:  # closed however the window ends: the port is open only meanwhile
             await trio.aclose_forcefully(listener)
 
 
-async def _host_listening(agent: Agent, listeners: list[trio.SocketListener], where: list[str], window: float,
+async def _host_listening(me: Pairing, listeners: list[trio.SocketListener], where: list[str], window: float,
                           emit: Emit, ask: Ask) -> dict[str, Any]:
     await emit({"event": "waiting", "role": "host", "listening": where, "window_s": window})
     result: dict[str, Any] = {}
@@ -178,7 +199,7 @@ async def _host_listening(agent: Agent, listeners: list[trio.SocketListener], wh
                 return  # one pairing at a time; the other Mac retries
             busy = True
             try:
-                result = await _host_session(agent, stream, emit, ask)
+                result = await _host_session(me, stream, emit, ask)
                 done.set()
             except BROKEN as exc:  # before any code was shown: keep listening
                 log.warning("a pairing attempt failed: %s", _why(exc))
@@ -194,9 +215,9 @@ async def _host_listening(agent: Agent, listeners: list[trio.SocketListener], wh
     return result
 
 
-async def _host_session(agent: Agent, stream: trio.SocketStream, emit: Emit, ask: Ask) -> dict[str, Any]:
-    host = pairing.Host(agent.identity.node_id, os.urandom(pairing.SECRET_BYTES), os.urandom(pairing.NONCE_BYTES),
-                        agent.cluster_key, os.urandom(12))
+async def _host_session(me: Pairing, stream: trio.SocketStream, emit: Emit, ask: Ask) -> dict[str, Any]:
+    host = pairing.Host(me.config.node_id, os.urandom(pairing.SECRET_BYTES), os.urandom(pairing.NONCE_BYTES),
+                        me.config.cluster_key, os.urandom(12))
     await send_frame(stream, host.on_commit(await receive_frame(stream)))
     host.on_reveal(await receive_frame(stream))
     assert host.derived is not None and host.peer is not None
@@ -259,9 +280,9 @@ async def _send_quietly(stream: trio.abc.Stream, data: bytes) -> None:
         pass  # the other end is gone: it learns nothing either way
 
 
-async def strangers_on_cables(agent: Agent) -> list[Stranger]:
-    cables = await cable_interfaces(agent)
-    seen = agent.discovery.strangers if agent.discovery is not None else {}
+async def strangers_on_cables(me: Pairing) -> list[Stranger]:
+    cables = await cable_interfaces(me.view)
+    seen = me.strangers() if me.strangers is not None else {}
     out = []
     for node_id, addresses in seen.items():
         mine = tuple(a for a in addresses if on_cable(a, cables))
@@ -270,12 +291,12 @@ async def strangers_on_cables(agent: Agent) -> list[Stranger]:
     return out
 
 
-async def _guest(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str, Any]:
-    if agent.config.cluster_key_file is not None:
-        raise PairingError(f"this agent reads its key from {agent.config.cluster_key_file}: install a key there instead")
-    if agent.discovery is None:
+async def _guest(me: Pairing, window: float, emit: Emit, ask: Ask) -> dict[str, Any]:
+    if me.config.cluster_key_file is not None:
+        raise PairingError(f"this agent reads its key from {me.config.cluster_key_file}: install a key there instead")
+    if me.strangers is None:
         raise PairingError("pairing finds the other Mac with zeroconf, and this agent runs with --no-mdns")
-    state = agent.machine.raft.state if agent.machine and agent.machine.raft else None
+    state = me.view.current.state
     members = len(state.members) if state is not None else 0
     if members > 1:
         raise PairingError(f"this Mac is in a cluster of {members} Macs; --join adds a Mac that is alone. "
@@ -283,7 +304,7 @@ async def _guest(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str,
     await emit({"event": "waiting", "role": "guest", "window_s": window})
     said_none = False
     while True:  # bounded by the window (pair's move_on_after)
-        strangers = await strangers_on_cables(agent)  # lists bridges: once a round
+        strangers = await strangers_on_cables(me)  # lists bridges: once a round
         for stranger in strangers:
             for address in stranger.addresses:
                 host, _, port = address.rpartition(":")
@@ -294,7 +315,7 @@ async def _guest(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str,
                     continue  # not pairing (yet), or not on this address
                 async with stream:
                     try:
-                        return await _guest_session(agent, stream, emit, ask)
+                        return await _guest_session(me, stream, emit, ask)
                     except BROKEN as exc:  # before any code was shown: try the next
                         await emit({"event": "attempt failed", "reason": _why(exc)})
         if not said_none and not strangers:
@@ -303,8 +324,8 @@ async def _guest(agent: Agent, window: float, emit: Emit, ask: Ask) -> dict[str,
         await trio.sleep(DIAL_ROUND_S)
 
 
-async def _guest_session(agent: Agent, stream: trio.SocketStream, emit: Emit, ask: Ask) -> dict[str, Any]:
-    guest = pairing.Guest(agent.identity.node_id, os.urandom(pairing.SECRET_BYTES), os.urandom(pairing.NONCE_BYTES))
+async def _guest_session(me: Pairing, stream: trio.SocketStream, emit: Emit, ask: Ask) -> dict[str, Any]:
+    guest = pairing.Guest(me.config.node_id, os.urandom(pairing.SECRET_BYTES), os.urandom(pairing.NONCE_BYTES))
     await send_frame(stream, guest.hello())
     await send_frame(stream, guest.on_offer(await receive_frame(stream)))
     assert guest.derived is not None
@@ -319,7 +340,7 @@ async def _guest_session(agent: Agent, stream: trio.SocketStream, emit: Emit, as
     except BROKEN as exc:  # the code was shown: end here rather than ask about another
         return {"paired": False, "peer": guest.peer, "error": f"the pairing broke off after the code was shown ({_why(exc)})"}
     try:
-        agent.adopt_cluster_key(key)
+        me.adopt_key(key)
     except LocalProtocolError as exc:
         raise PairingError(str(exc)) from None
     log.info("received the cluster key from %s (code %s): joining its cluster", guest.peer, guest.derived.code)

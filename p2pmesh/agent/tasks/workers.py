@@ -7,6 +7,9 @@ protocol is JSON lines (docs/inference.md): events on its stdout become core inp
 stops sending heartbeats is killed: MLX hangs forever on a silent peer, so liveness is the
 agent's job. A worker never outlives its agent: on Linux the kernel kills it when the agent
 dies (PR_SET_PDEATHSIG); everywhere, rank 0 exits when its stdin closes.
+
+Which workers are wanted comes from the ClusterView (committed, durable state): the
+supervisor reconciles on every new snapshot, and on a period only to catch hung workers.
 """
 from __future__ import annotations
 
@@ -17,13 +20,15 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
+from p2pmesh.agent.models import model_dir
+from p2pmesh.agent.ports import ClusterView, Inbox
 from p2pmesh.core import dataplane
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.machine import WorkerCrashed, WorkerLoaded, WorkerOutput
+from p2pmesh.core.node_io import WorkerCrashed, WorkerLoaded, WorkerOutput
 from p2pmesh.core.messages import WorkerFault
 from p2pmesh.core.protocol import ErrorCode
 from p2pmesh.core.validate import FAULT_MESSAGE_MAX
@@ -35,15 +40,13 @@ from p2pmesh.core.mlx_hostfile import (
     ring_hostfile,
 )
 from p2pmesh.core.serving import WorkerSubmit
-from p2pmesh.peer_copy import model_dir
 from p2pmesh.worker import protocol
-
-if TYPE_CHECKING:
-    from p2pmesh.agent import Agent
 
 log = logging.getLogger("p2pmesh.workers")
 
-RECONCILE_S = 0.2
+HANG_CHECK_S = 1.0
+"""How often the workers' heartbeats are checked when nothing else wakes the supervisor (a
+worker hangs outside the cluster's knowledge: this period is why it has a timeout)."""
 HEARTBEAT_TIMEOUT_S = 10.0
 """A worker silent this long is hung (a worker sends one every 0.5 s, from a thread)."""
 PROGRESS_TIMEOUT_S = 120.0
@@ -112,11 +115,23 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+@dataclass(frozen=True, slots=True)
+class WorkersConfig:
+    """What the supervisor needs of the agent's configuration."""
+
+    node_id: NodeId
+    state_dir: Path
+    """Hostfiles and worker logs go to ``<state_dir>/workers/``; copied models are here too."""
+    base_port: int
+    """This agent's --data-port (for a member that published none)."""
+    model_root: Path | None = None
+
+
 class Supervisor:
-    def __init__(self, agent: Agent, *, base_port: int, model_root: Path | None = None) -> None:
-        self.agent = agent
-        self.base_port = base_port
-        self.model_root = model_root
+    def __init__(self, view: ClusterView, inbox: Inbox, config: WorkersConfig) -> None:
+        self.view = view
+        self.inbox = inbox
+        self.config = config
         self.workers: dict[int, _Worker] = {}
         self.failed: set[int] = set()
         """Epochs whose worker failed here: not restarted (the group cannot re-form with
@@ -128,20 +143,21 @@ class Supervisor:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             try:
-                while True:  # for the agent's lifetime
+                seen = -1
+                while True:  # for the agent's lifetime: on each new snapshot, or to check heartbeats
+                    snapshot = await self.view.changed(seen, timeout_s=HANG_CHECK_S)
+                    seen = snapshot.version
                     await self._reconcile(nursery)
-                    await trio.sleep(RECONCILE_S)
             finally:
                 with trio.CancelScope(shield=True):
                     for w in list(self.workers.values()):
                         await self._stop(w)
 
     async def _reconcile(self, nursery: trio.Nursery) -> None:
-        m = self.agent.machine
-        if m is None or m.raft is None:
+        state = self.view.current.state
+        if state is None:
             return
-        state = m.raft.state
-        wanted = {w.epoch: w for w in dataplane.wanted_workers(state, self.agent.identity.node_id)}
+        wanted = {w.epoch: w for w in dataplane.wanted_workers(state, self.config.node_id)}
         for epoch, w in list(self.workers.items()):
             if epoch not in wanted:
                 del self.workers[epoch]
@@ -154,27 +170,25 @@ class Supervisor:
                 del self.workers[epoch]
                 self.failed.add(epoch)
                 nursery.start_soon(self._stop, w)
-                await self.agent.inbox_send.send(WorkerCrashed(epoch))
+                await self.inbox.put(WorkerCrashed(epoch))
         for epoch, want in wanted.items():
             if epoch not in self.workers and epoch not in self.failed:
                 hops = state.placement_hops if epoch == state.placement_epoch else state.active_hops
-                await self._start(nursery, want, hops)
+                await self._start(nursery, want, hops, state.members)
 
-    async def _start(self, nursery: trio.Nursery, want: dataplane.WantedWorker, hops: Any) -> None:
-        cfg_dir = self.agent.config.state_dir / "workers"
+    async def _start(self, nursery: trio.Nursery, want: dataplane.WantedWorker, hops: Any, members: Any) -> None:
+        cfg_dir = self.config.state_dir / "workers"
         cfg_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # hostfiles and worker logs: the owner's only
         env = dict(os.environ)
         stages = [[s.start, s.end] for s in want.stages]
         backend = "ring"
         if len(want.stages) >= 2:
-            m = self.agent.machine
-            members = m.raft.state.members if m is not None and m.raft is not None else ()
             try:
-                launch = group_launch(want, hops, self.base_port, members)
+                launch = group_launch(want, hops, self.config.base_port, members)
             except MlxConfigError as exc:
                 log.warning("cannot start the worker of epoch %d: %s", want.epoch, exc)
                 self.failed.add(want.epoch)
-                await self.agent.inbox_send.send(WorkerCrashed(want.epoch))
+                await self.inbox.put(WorkerCrashed(want.epoch))
                 return
             backend = launch.backend
             for name, content in launch.files.items():
@@ -182,7 +196,7 @@ class Supervisor:
                 path.write_text(content, encoding="utf-8")
                 env[launch.file_env[name]] = str(path)
             env.update(launch.env)
-        model = model_dir(want.model, self.model_root, self.agent.config.state_dir)
+        model = model_dir(want.model, self.config.model_root, self.config.state_dir)
         cmd = [sys.executable, "-m", "p2pmesh.worker.serve", "--model", model, "--stages", json.dumps(stages),
                "--rank", str(want.rank), "--backend", backend]
         log_file = open(cfg_dir / f"worker-{want.epoch}.log", "ab")  # noqa: SIM115 - owned by the process
@@ -221,7 +235,7 @@ class Supervisor:
             del self.workers[w.epoch]
             self.failed.add(w.epoch)
             log.warning("the worker of epoch %d exited with %s", w.epoch, code)
-            await self.agent.inbox_send.send(WorkerCrashed(w.epoch, w.fault))
+            await self.inbox.put(WorkerCrashed(w.epoch, w.fault))
 
     async def _event(self, w: _Worker, line: bytes) -> None:
         try:
@@ -231,11 +245,11 @@ class Supervisor:
             log.debug("worker of epoch %d: not an event: %r", w.epoch, line[:200])
             return
         w.last_heartbeat = trio.current_time()
-        inbox = self.agent.inbox_send
+        inbox = self.inbox
         if kind == "ready":
             w.ready = True
             log.info("worker of epoch %d ready (rank %d, loaded in %.2f s)", w.epoch, w.rank, float(event.get("load_s") or 0))
-            await inbox.send(WorkerLoaded(w.epoch))
+            await inbox.put(WorkerLoaded(w.epoch))
         elif kind in ("token", "done", "error") and event.get("id") is not None:
             req, _, attempt = str(event["id"]).rpartition("@")
             done = kind != "token"
@@ -255,7 +269,7 @@ class Supervisor:
             # The worker's request_invalid is about the prompt (worker/serve.py): the edge
             # already checked every other field against the same limits (core/protocol.py).
             code = ErrorCode.PROMPT_REFUSED if kind == "error" else ""
-            await inbox.send(WorkerOutput(w.epoch, req, tokens, text, done, finish, prompt,
+            await inbox.put(WorkerOutput(w.epoch, req, tokens, text, done, finish, prompt,
                                           int(attempt) if attempt.isdigit() else 0, broken, code))
         elif kind == "error":
             w.fault = self._fault(w, event) if not w.ready else None
@@ -277,7 +291,7 @@ class Supervisor:
                 and 0 <= rank < len(w.order) and 0 <= port <= 65535 and len(code) <= 64 and len(address) <= 256):
             return None
         message = str(event.get("message") or "")[:FAULT_MESSAGE_MAX]
-        return WorkerFault(code, w.order[rank], address, port, self.agent.identity.node_id, w.epoch, message)
+        return WorkerFault(code, w.order[rank], address, port, self.config.node_id, w.epoch, message)
 
     async def submit(self, s: WorkerSubmit) -> None:
         """Hand a request to the local head worker of its epoch (rank 0)."""

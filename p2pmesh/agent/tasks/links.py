@@ -2,7 +2,9 @@
 user asked with --configure-links) address the ring's cables.
 
 Each task turns I/O into core inputs (PortsObserved, ProbesMeasured) on the agent's inbox
-or reads the committed state the core task applied; none of them touches the Machine.
+or reads the committed, durable state from the ClusterView (agent/ports.py), waking when it
+changes; none of them touches the Machine. Only what watches the outside world keeps a
+period (ports, addresses, the periodic probe).
 - watch_ports: polls the link watcher (sysfs on Linux: cheap, every 0.25 s, so a pulled
   cable reaches the ring within the 1 s target; system_profiler on macOS: slow, every 3 s);
 - probes: serves the bounded probe protocol on this Mac's Thunderbolt addresses only (never
@@ -15,18 +17,19 @@ or reads the committed state the core task applied; none of them touches the Mac
 from __future__ import annotations
 
 import logging
+import ssl
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import trio
 
+from p2pmesh.agent.ports import ClusterView, Inbox, Snapshot
 from p2pmesh.core import physical
-from p2pmesh.core.messages import LinkProbe, PortInfo
-from p2pmesh.core.machine import AddressesChanged, PortsObserved, ProbesMeasured
+from p2pmesh.core.ids import NodeId
+from p2pmesh.core.messages import ClusterState, LinkProbe, PortInfo
+from p2pmesh.core.node_io import AddressesChanged, PortsObserved, ProbesMeasured
 from p2pmesh.core.validate import PORTS_MAX
-
-if TYPE_CHECKING:
-    from p2pmesh.agent import Agent
 
 log = logging.getLogger("p2pmesh.links")
 
@@ -34,16 +37,17 @@ WATCH_PERIOD_S = 3.0 if sys.platform == "darwin" else 0.25
 ADDRESS_PERIOD_S = 1.0
 """How often the interface addresses are listed (getifaddrs: cheap, no tool run)."""
 PROBE_PERIOD_S = 60.0
-PROBE_CHECK_S = 1.0
 PROBE_PORT_OFFSET = 1
 """Probes listen on the agent's port + 1, on Thunderbolt addresses only."""
 PROBE_TARGETS_MAX = 16
 
 
-async def watch_ports(agent: Agent) -> None:
+async def watch_ports(inbox: Inbox, interfaces: tuple[str, ...]) -> None:
+    """Poll this Mac's ports (only ``interfaces`` when given) and report each change. A
+    period, not the view: cables come and go outside the cluster's knowledge."""
     from p2pmesh.drivers import linkwatch
 
-    only = set(agent.config.interfaces) or None
+    only = set(interfaces) or None
     last: tuple[PortInfo, ...] | None = None
     failing = False
     while True:  # runs for the agent's lifetime; cancelled with its nursery
@@ -60,11 +64,11 @@ async def watch_ports(agent: Agent) -> None:
             ports = last or ()
         if ports != last:
             last = ports
-            await agent.inbox_send.send(PortsObserved(ports))
+            await inbox.put(PortsObserved(ports))
         await trio.sleep(WATCH_PERIOD_S)
 
 
-async def watch_addresses(agent: Agent, port: int, advertised: tuple[str, ...]) -> None:
+async def watch_addresses(inbox: Inbox, addresses: Callable[[], tuple[str, ...]], advertised: tuple[str, ...]) -> None:
     """Report this Mac's control-plane addresses whenever they change (a cable came up with
     an address, a laptop moved networks, a new DHCP lease). The core publishes them
     (UpdateMember), so peers dial, and LAN hops use, where the Mac is now."""
@@ -72,24 +76,19 @@ async def watch_addresses(agent: Agent, port: int, advertised: tuple[str, ...]) 
     while True:  # runs for the agent's lifetime; cancelled with its nursery
         await trio.sleep(ADDRESS_PERIOD_S)
         try:
-            now = agent.interface_advert(port)
+            now = addresses()
         except OSError as exc:  # the interface list could not be read: keep the last one
             log.debug("cannot list this Mac's addresses: %s", exc)
             continue
         if now and now != last:
             log.info("this Mac's addresses changed: %s", ", ".join(now))
             last = now
-            await agent.inbox_send.send(AddressesChanged(now))
+            await inbox.put(AddressesChanged(now))
 
 
-def _my_cables(agent: Agent) -> list[tuple[str, str, str]]:
+def _my_cables(state: ClusterState, me: NodeId) -> list[tuple[str, str, str]]:
     """(my interface, peer node id, peer IPv4) for every Thunderbolt cable of this Mac whose
     two ends share an IPv4 subnet (the probe goes over that very cable)."""
-    m = agent.machine
-    if m is None or m.raft is None:
-        return []
-    me = agent.identity.node_id
-    state = m.raft.state
     out = []
     for c in physical.cables(state, physical.serving(state)):
         if c.kind != "thunderbolt" or me not in (c.a, c.b):
@@ -103,16 +102,27 @@ def _my_cables(agent: Agent) -> list[tuple[str, str, str]]:
     return out[:PROBE_TARGETS_MAX]
 
 
-def _my_probe_hosts(agent: Agent) -> set[str]:
-    m = agent.machine
-    return {addr.split("/")[0] for p in (m.facts.ports if m else ()) if p.kind == "thunderbolt" and p.up for addr in p.ipv4}
+def _my_probe_hosts(snapshot: Snapshot) -> set[str]:
+    return {addr.split("/")[0] for p in snapshot.ports if p.kind == "thunderbolt" and p.up for addr in p.ipv4}
 
 
-async def probes(agent: Agent, port: int) -> None:
-    """Serve probes on this Mac's Thunderbolt addresses and probe its cabled peers."""
+@dataclass(frozen=True, slots=True)
+class ProbeConfig:
+    """Where probes listen (the agent's port + PROBE_PORT_OFFSET) and the TLS contexts
+    (the cluster's credentials: a probe is answered only inside the cluster)."""
+
+    port: int
+    server_ctx: ssl.SSLContext
+    client_ctx: ssl.SSLContext
+
+
+async def probes(view: ClusterView, inbox: Inbox, config: ProbeConfig) -> None:
+    """Serve probes on this Mac's Thunderbolt addresses and probe its cabled peers: after
+    every ring change, and every PROBE_PERIOD_S (a link's speed changes outside the
+    cluster's knowledge: the period is why this task has a timeout)."""
     from p2pmesh.drivers.probe import ProbeError, probe, serve_probes
 
-    server_ctx, client_ctx = agent.credentials.contexts()
+    port, server_ctx, client_ctx = config.port, config.server_ctx, config.client_ctx
     serving: dict[str, trio.CancelScope] = {}
     last_epoch = -1
     last_probe = -PROBE_PERIOD_S
@@ -126,31 +136,46 @@ async def probes(agent: Agent, port: int) -> None:
 
     async with trio.open_nursery() as nursery:
         while True:  # for the agent's lifetime
-            hosts = _my_probe_hosts(agent)
+            snapshot = view.current
+            hosts = _my_probe_hosts(snapshot)
             for host in set(serving) - hosts:
                 serving.pop(host).cancel()
             for host in hosts - set(serving):
                 serving[host] = trio.CancelScope()
                 nursery.start_soon(serve_one, host, serving[host])
-            m = agent.machine
-            epoch = m.raft.state.ring_epoch if m and m.raft else 0
+            state = snapshot.state
+            epoch = state.ring_epoch if state is not None else 0
             now = trio.current_time()
             if epoch != last_epoch or now - last_probe >= PROBE_PERIOD_S:
                 last_epoch, last_probe = epoch, now
                 results: list[LinkProbe] = []
-                for interface, peer, peer_ip in _my_cables(agent):
+                for interface, peer, peer_ip in _my_cables(state, snapshot.node_id) if state is not None else ():
                     try:
                         r = await probe(peer_ip, port, client_ctx, peer, timeout_s=3.0)
                     except ProbeError as exc:
                         log.info("probe of %s over %s failed: %s", peer[:8], interface, exc)
                         continue
                     results.append(LinkProbe(interface, peer, round(r.rtt_ms, 3), round(r.gbps, 2)))
-                if results or (m is not None and m.facts.probes):
-                    await agent.inbox_send.send(ProbesMeasured(tuple(results)))
-            await trio.sleep(PROBE_CHECK_S)
+                if results or snapshot.probes:
+                    await inbox.put(ProbesMeasured(tuple(results)))
+            await view.changed(snapshot.version, timeout_s=max(0.0, last_probe + PROBE_PERIOD_S - trio.current_time()))
 
 
-async def warn_bridges(agent: Agent) -> None:
+async def _ring_epochs(view: ClusterView) -> AsyncIterator[tuple[Snapshot, ClusterState]]:
+    """Each committed ring epoch once, with the snapshot that brought it, for the agent's
+    lifetime (woken by the view: no period)."""
+    last_epoch = -1
+    seen = -1
+    while True:
+        snapshot = await view.changed(seen)
+        seen = snapshot.version
+        state = snapshot.state
+        if state is not None and state.ring_epoch != last_epoch:
+            last_epoch = state.ring_epoch
+            yield snapshot, state
+
+
+async def warn_bridges(view: ClusterView) -> None:
     """After every ring change, warn (once per distinct warning) when a bridge joins this
     Mac's ring cables (macOS's Thunderbolt Bridge does by default): a loop that can flood
     the network. Only a warning: the user decides (docs/links.md)."""
@@ -159,53 +184,41 @@ async def warn_bridges(agent: Agent) -> None:
 
     platform = "darwin" if sys.platform == "darwin" else "linux"
     said: set[str] = set()
-    last_epoch = -1
-    while True:
-        m = agent.machine
-        state = m.raft.state if m and m.raft else None
-        if state is not None and state.ring_epoch != last_epoch:
-            last_epoch = state.ring_epoch
-            me = agent.identity.node_id
-            mine = {h.src_interface for h in state.ring_hops if h.src == me and h.src_interface}
-            mine |= {h.dst_interface for h in state.ring_hops if h.dst == me and h.dst_interface}
-            if mine:
-                try:
-                    bridges = await gather_bridges()
-                except NetconfigError as exc:
-                    log.debug("cannot list bridges: %s", exc)
-                    bridges = {}
-                for warning in bridge_warnings(bridges, mine, platform=platform):
-                    if warning not in said:
-                        said.add(warning)
-                        log.warning("%s", warning)
-        await trio.sleep(1.0)
+    async for snapshot, state in _ring_epochs(view):
+        me = snapshot.node_id
+        mine = {h.src_interface for h in state.ring_hops if h.src == me and h.src_interface}
+        mine |= {h.dst_interface for h in state.ring_hops if h.dst == me and h.dst_interface}
+        if mine:
+            try:
+                bridges = await gather_bridges()
+            except NetconfigError as exc:
+                log.debug("cannot list bridges: %s", exc)
+                bridges = {}
+            for warning in bridge_warnings(bridges, mine, platform=platform):
+                if warning not in said:
+                    said.add(warning)
+                    log.warning("%s", warning)
 
 
-async def configure_links(agent: Agent) -> None:
+async def configure_links(view: ClusterView) -> None:
     """Add the planned addresses for this Mac's ring cables after every ring change."""
     from p2pmesh.core.addressing import AddressingError, commands_for, plan_addresses
     from p2pmesh.drivers.netconfig import NetconfigError, apply
 
     platform = "darwin" if sys.platform == "darwin" else "linux"
     done: set[tuple[str, ...]] = set()
-    last_epoch = -1
-    while True:
-        m = agent.machine
-        state = m.raft.state if m and m.raft else None
-        if state is not None and state.ring_epoch != last_epoch:
-            last_epoch = state.ring_epoch
-            present = {port.interface: port.ipv4 for port in (m.facts.ports if m else ())}
+    async for snapshot, state in _ring_epochs(view):
+        present = {port.interface: port.ipv4 for port in snapshot.ports}
+        try:
+            commands = commands_for(snapshot.node_id, plan_addresses(state.ring_hops), platform, present=present)
+        except AddressingError as exc:
+            log.warning("cannot plan data-plane addresses: %s", exc)
+            commands = []
+        todo = [c for c in commands if tuple(c) not in done]
+        if todo:
+            log.info("configuring ring links (--configure-links): %s", "; ".join(" ".join(c) for c in todo))
             try:
-                commands = commands_for(agent.identity.node_id, plan_addresses(state.ring_hops), platform, present=present)
-            except AddressingError as exc:
-                log.warning("cannot plan data-plane addresses: %s", exc)
-                commands = []
-            todo = [c for c in commands if tuple(c) not in done]
-            if todo:
-                log.info("configuring ring links (--configure-links): %s", "; ".join(" ".join(c) for c in todo))
-                try:
-                    await apply(todo)
-                    done.update(tuple(c) for c in todo)
-                except NetconfigError as exc:
-                    log.warning("could not configure a ring link: %s", exc)
-        await trio.sleep(0.5)
+                await apply(todo)
+                done.update(tuple(c) for c in todo)
+            except NetconfigError as exc:
+                log.warning("could not configure a ring link: %s", exc)

@@ -1,0 +1,91 @@
+"""The control op `status` (and the HTTP API's /v1/cluster, /v1/models, /health): this agent's
+view as JSON, made from a ClusterView snapshot, so it shows only committed state that is on
+disk. The JSON keys are a contract (docs/client.md, the CLI's --json)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from p2pmesh.agent.ports import Snapshot
+from p2pmesh.core import fit
+from p2pmesh.core.messages import ClusterState, PortInfo
+from p2pmesh.core.ring_view import ring_json
+
+
+def status_json(snapshot: Snapshot, state_dir: Path) -> dict[str, Any]:
+    st = snapshot.status
+    if st is None:
+        return {"node_id": snapshot.node_id, "pid": os.getpid(), "cluster_id": None, "role": "starting",
+                "term": 0, "leader": None, "commit_index": 0, "applied_index": 0, "healthy": False,
+                "members": [], "ring": None, "placement": None, "state_dir": str(state_dir)}
+    state = snapshot.state
+    members = []
+    ring: dict[str, Any] | None = None
+    placement: dict[str, Any] | None = None
+    if state is not None:
+        for mem in state.members:
+            members.append({
+                "node_id": mem.node_id, "voter": mem.voter, "up": mem.up, "addresses": list(mem.addresses),
+                "ports": [port_json(p) for p in mem.ports], "data_port": mem.caps.data_port,
+            })
+        ring = ring_json(state)
+        placement = placement_json(state)
+    return {
+        "node_id": st.node_id,
+        "pid": os.getpid(),
+        "cluster_id": st.cluster,
+        "role": st.role,
+        "term": st.term,
+        "leader": st.leader,
+        "commit_index": st.commit_index,
+        "applied_index": st.applied_index,
+        "healthy": st.healthy,
+        "members": members,
+        "ring": ring,
+        "placement": placement,
+        "requests_resumed": snapshot.requests_resumed,
+        "requests_asked_again": snapshot.requests_asked_again,
+        "state_dir": str(state_dir),
+    }
+
+
+def placement_json(state: ClusterState) -> dict[str, Any]:
+    """The status `placement` object: the serving epoch's stages (and a pending one)."""
+    def stages(ss: Any) -> list[dict[str, Any]]:
+        return [{"node_id": s.node_id, "layers": [s.start, s.end]} for s in ss]
+
+    up = {m.node_id for m in state.members if m.up}
+    out: dict[str, Any] = {
+        "epoch": state.active_epoch,
+        "model": state.model.name if state.model else None,
+        "stages": stages(state.active),
+        "serving": bool(state.active) and all(s.node_id in up for s in state.active),
+    }
+    if state.placement_epoch > state.active_epoch:
+        out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), "ready": list(state.ready),
+                          "fetched": list(state.fetched)}
+    problem = _placement_problem(state)
+    if problem is not None:
+        out["problem"] = problem.to_json()
+    out["restarts"] = state.restarts
+    if state.fault is not None:
+        f = state.fault
+        out["fault"] = {"code": f.code, "node_id": f.node_id, "address": f.address, "port": f.port,
+                        "reporter": f.reporter, "epoch": f.epoch, "message": f.message}
+    return out
+
+
+_problem_memo: list[Any] = [None, None]
+
+
+def _placement_problem(state: ClusterState) -> fit.PlacementProblem | None:
+    """core/fit.py's verdict, computed once per committed state (clients poll status)."""
+    if _problem_memo[0] is not state:
+        _problem_memo[:] = [state, fit.problem(state)]
+    return _problem_memo[1]  # type: ignore[no-any-return]
+
+
+def port_json(p: PortInfo) -> dict[str, Any]:
+    return {"interface": p.interface, "kind": p.kind, "domain_uuid": p.domain_uuid, "peer_domain_uuid": p.peer_domain_uuid,
+            "up": p.up, "gbps": p.gbps, "ipv4": list(p.ipv4), "rdma": p.rdma}
