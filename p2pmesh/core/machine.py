@@ -654,21 +654,10 @@ class Machine:
         state = r.state if r is not None and self.mode is MEMBER else None
         head = dataplane.head(state) if state is not None else None
         epoch = state.active_epoch if state is not None else 0
-        self.router.tick(state, head, epoch, now_ms)
-        for _ in range(8):  # requests a node sends itself (it is origin and head) loop back here
-            messages, submits, client = self.router.take()
-            self.ready.submits.extend(submits)
-            self.ready.client.extend(client)
-            local = [(dst, m) for dst, m in messages if dst == self.node_id]
-            self.ready.messages.extend((dst, m) for dst, m in messages if dst != self.node_id)
-            if not local:
-                break
-            for _, m in local:
-                if isinstance(m, InferRequest):
-                    self.router.on_request(self.node_id, m, state)
-                elif isinstance(m, InferTokens):
-                    self.router.on_tokens(m, now_ms)
-            self.router.tick(state, head, epoch, now_ms)
+        messages, submits, client = self.router.step(state, head, epoch, now_ms)
+        self.ready.messages.extend(messages)
+        self.ready.submits.extend(submits)
+        self.ready.client.extend(client)
 
     # ------------------------------------------------------------------------------
     # Proposals and leaving

@@ -35,6 +35,9 @@ from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import ClusterState, InferRequest, InferTokens, Message
 from p2pmesh.core.protocol import ErrorCode
 
+LOOPBACK_ROUNDS = 8
+"""Rounds of messages a node sends itself within one step (origin and head: request, tokens)."""
+
 REQUESTS_MAX = 256
 STALL_MS = 120_000
 BEACON_MS = 1_000
@@ -287,6 +290,31 @@ class Router:
         out = (self.messages, self.submits, self.client)
         self.messages, self.submits, self.client = [], [], []
         return out
+
+    def step(self, state: ClusterState | None, head: NodeId | None, epoch: int,
+             now_ms: int) -> tuple[list[tuple[NodeId, Message]], list[WorkerSubmit], list[ClientEvent]]:
+        """Move requests along (``tick``) and collect what to send, submit and tell clients.
+        A message to this very node (it is origin and head) is handed straight back in, for at
+        most LOOPBACK_ROUNDS rounds."""
+        messages: list[tuple[NodeId, Message]] = []
+        submits: list[WorkerSubmit] = []
+        client: list[ClientEvent] = []
+        self.tick(state, head, epoch, now_ms)
+        for _ in range(LOOPBACK_ROUNDS):
+            out, more_submits, more_client = self.take()
+            submits.extend(more_submits)
+            client.extend(more_client)
+            local = [m for dst, m in out if dst == self.me]
+            messages.extend((dst, m) for dst, m in out if dst != self.me)
+            if not local:
+                break
+            for m in local:
+                if isinstance(m, InferRequest):
+                    self.on_request(self.me, m, state)
+                elif isinstance(m, InferTokens):
+                    self.on_tokens(m, now_ms)
+            self.tick(state, head, epoch, now_ms)
+        return messages, submits, client
 
 
 def _stale(me: NodeId, req: str, epoch: int, attempt: int, sent: int) -> InferTokens:
