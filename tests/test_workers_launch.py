@@ -68,3 +68,17 @@ def test_each_rank_listens_on_its_own_members_data_port() -> None:
         assert hostfile == [["169.254.3.2:47180"], ["169.254.1.2:47231"], [f"169.254.2.2:{mine + 80 + 2}"]]
     rdma = group_launch(WantedWorker(5, "m", STAGES, 2), _hops(True), 47000, members)
     assert rdma.env["MLX_JACCL_COORDINATOR"] == "10.0.0.1:47180"  # rank 0 listens on its own port
+
+
+def test_a_request_event_ends_or_resumes_by_the_workers_code() -> None:
+    """Only the request's own fault (request_invalid) and a full batch (busy) end a request;
+    any other worker error under it, known or not, resumes it on the next epoch."""
+    from p2pmesh.agent.tasks.workers import request_outcome
+    from p2pmesh.core.protocol import ErrorCode
+
+    assert request_outcome("token", None) == (False, "")
+    assert request_outcome("done", None) == (False, "")
+    assert request_outcome("error", "request_invalid") == (False, ErrorCode.PROMPT_REFUSED)
+    assert request_outcome("error", "busy") == (False, ErrorCode.BUSY)
+    assert request_outcome("error", "pipeline_broken")[0] is True
+    assert request_outcome("error", "a code from a newer worker")[0] is True

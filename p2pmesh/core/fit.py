@@ -33,8 +33,9 @@ DOES_NOT_FIT = "model_does_not_fit"
 CANNOT_LOAD = "model_cannot_load"
 CODES = (DOES_NOT_FIT, CANNOT_LOAD)
 SEQUENCES = 1
-"""Sequences a worker runs at once (worker/serve.py takes one request at a time): the KV
-cache is sized for this many contexts."""
+"""Contexts the placement reserves KV cache for. The worker now batches up to its
+--max-batch requests (worker/scheduler.py); reserving KV for that concurrency, and lowering
+the batch where memory is short, is issue 15's and not built yet."""
 SHORT_ID = 8
 
 

@@ -57,6 +57,22 @@ much sooner by failure detection, which moves the cluster to a new epoch."""
 STOP_GRACE_S = 3.0
 LINE_BYTES_MAX = 1 << 20
 
+
+def request_outcome(kind: str, worker_code: object) -> tuple[bool, str]:
+    """(broken, client code) for a request's event from its head worker. Only the request's
+    own fault ends it: request_invalid is about the prompt (worker/serve.py: the edge already
+    checked every other field against the same limits, core/protocol.py), busy means the
+    worker's batch and queue are full (the client may retry shortly). Any other error under a
+    request (a peer is gone, or a code we do not know) is the epoch's: the core resumes it."""
+    if kind != "error":
+        return False, ""
+    if worker_code == protocol.BUSY:
+        return False, ErrorCode.BUSY
+    if worker_code == protocol.REQUEST_INVALID:
+        return False, ErrorCode.PROMPT_REFUSED
+    return True, ErrorCode.PROMPT_REFUSED
+
+
 @dataclass
 class _Worker:
     epoch: int
@@ -260,15 +276,10 @@ class Supervisor:
             finish = str(event.get("finish") or ("error" if kind == "error" else ""))
             text = str(event.get("text") or event.get("message") or "")
             prompt = tuple(int(t) for t in event.get("prompt_tokens") or ())
-            # Only the request's own fault ends it; any other error under a request (a peer is
-            # gone, or a code we do not know) is the epoch's: the core resumes it on the next.
-            broken = kind == "error" and event.get("code") != protocol.REQUEST_INVALID
+            broken, code = request_outcome(kind, event.get("code"))
             if broken:
                 log.warning("worker of epoch %d: %s (%s): the request resumes on the next epoch",
                             w.epoch, event.get("message"), event.get("code"))
-            # The worker's request_invalid is about the prompt (worker/serve.py): the edge
-            # already checked every other field against the same limits (core/protocol.py).
-            code = ErrorCode.PROMPT_REFUSED if kind == "error" else ""
             await inbox.put(WorkerOutput(w.epoch, req, tokens, text, done, finish, prompt,
                                           int(attempt) if attempt.isdigit() else 0, broken, code))
         elif kind == "error":
