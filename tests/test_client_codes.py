@@ -81,7 +81,8 @@ def test_every_code_has_one_http_status_and_one_client_error() -> None:
         assert (spec.http_status == 400) == (spec.error is p2pmesh.BadRequest or code is ErrorCode.UNKNOWN_OP), code
     # The client's and the HTTP API's verdicts agree on whose fault it is.
     assert ERRORS[ErrorCode.NOT_SERVING].error is p2pmesh.ModelNotLoaded
-    assert ERRORS[ErrorCode.BUSY].http_status == 429
+    assert ERRORS[ErrorCode.BUSY].http_status == 429 and ERRORS[ErrorCode.BUSY].retry_after_s
+    assert ERRORS[ErrorCode.BUSY].error is p2pmesh.Busy and issubclass(p2pmesh.Busy, p2pmesh.AgentError)
     assert ERRORS[ErrorCode.AGENT_ERROR].http_status == 500
 
 

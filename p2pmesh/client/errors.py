@@ -12,6 +12,7 @@ from p2pmesh.core.errors import MeshError
 from p2pmesh.core.protocol import (
     AgentError,
     BadRequest,
+    Busy,
     ModelCannotLoad,
     ModelDoesNotFit,
     ModelNotLoaded,
@@ -37,6 +38,7 @@ __all__ = [
     "AgentError",
     "AgentNotRunning",
     "BadRequest",
+    "Busy",
     "ModelCannotLoad",
     "ModelDoesNotFit",
     "ModelNotLoaded",

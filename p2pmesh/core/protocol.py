@@ -120,6 +120,11 @@ class AgentError(MeshError):
     (the agent's or the data plane's fault; a version mismatch also lands here)."""
 
 
+class Busy(AgentError):
+    """Too many requests in flight (the agent's, the cluster's request table, or the head
+    worker's batch and queue): nothing is wrong, retry shortly (HTTP 429 with Retry-After)."""
+
+
 # ----------------------------------------------------------------------------------------
 # Error codes
 
@@ -179,7 +184,7 @@ ERRORS: Mapping[ErrorCode, ErrorSpec] = MappingProxyType({
     ErrorCode.NO_CLUSTER: ErrorSpec(503, NoQuorum, "no_cluster", 2),
     ErrorCode.NO_QUORUM: ErrorSpec(503, NoQuorum, "no_quorum", 2),
     ErrorCode.RETRY: ErrorSpec(503, AgentError, "retry", 1),
-    ErrorCode.BUSY: ErrorSpec(429, AgentError, "too_many_requests", 1),
+    ErrorCode.BUSY: ErrorSpec(429, Busy, "too_many_requests", 1),
     ErrorCode.NOT_SERVING: ErrorSpec(503, ModelNotLoaded, "model_not_serving", 2),
     ErrorCode.STALLED: ErrorSpec(503, AgentError, "model_not_serving", 2),
     ErrorCode.STALE_EPOCH: ErrorSpec(503, AgentError, "model_not_serving", 2),
