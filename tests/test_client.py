@@ -52,12 +52,12 @@ PUBLIC_API = {
     "Agent",
     "Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "LoadProgress",
     "LoadedModel", "ModelInfo", "GenerationResult", "Event", "EventKind", "fallback_chat_prompt",
-    "P2PMeshError", "AgentNotRunning", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError",
+    "P2PMeshError", "AgentNotRunning", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy",
     "ModelRefused", "ModelDoesNotFit", "ModelCannotLoad", "PlacementProblem",
 }
 VALUES = {"Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "LoadProgress",
           "LoadedModel", "ModelInfo", "GenerationResult", "Event", "PlacementProblem"}
-ERRORS = {"AgentNotRunning", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "ModelRefused", "ModelDoesNotFit",
+ERRORS = {"AgentNotRunning", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy", "ModelRefused", "ModelDoesNotFit",
           "ModelCannotLoad"}
 
 
