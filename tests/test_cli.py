@@ -147,6 +147,26 @@ def test_agent_refuses_a_layer_time_that_is_no_time() -> None:
         assert r.returncode == 2 and "--layer-ms" in r.stderr, (bad, r.stderr)
 
 
+def test_agent_refuses_a_batch_or_queue_out_of_bounds() -> None:
+    for option, bad in (("--max-batch", "0"), ("--max-batch", "257"), ("--max-batch", "many"),
+                        ("--max-queue", "-1"), ("--max-queue", "4097"), ("--max-queue", "1.5")):
+        r = cli("agent", option, bad)
+        assert r.returncode == 2 and option in r.stderr, (option, bad, r.stderr)
+
+
+def test_the_head_worker_gets_the_agents_batch_and_queue(tmp_path: Path) -> None:
+    """What `p2pmesh agent --max-batch/--max-queue` set reaches the worker's command line."""
+    from p2pmesh.agent.tasks.workers import WorkersConfig, worker_command
+    from p2pmesh.core.ids import NodeId
+    from p2pmesh.worker import serve
+
+    cmd = worker_command("m", [[0, 2]], 0, "ring", WorkersConfig(NodeId("n0"), tmp_path, 47000, None, 3, 5))
+    parsed = serve.build_parser().parse_args(cmd[3:])
+    assert (parsed.max_batch, parsed.max_queue, parsed.rank) == (3, 5, 0)
+    default = worker_command("m", [[0, 2]], 0, "ring", WorkersConfig(NodeId("n0"), tmp_path, 47000))
+    assert serve.build_parser().parse_args(default[3:]).max_batch == serve.DEFAULT_MAX_BATCH
+
+
 def test_load_generate_chat_and_watch(agent: AgentProc, model: Path) -> None:
     target = ("--state-dir", str(agent.state_dir))
     lines = [json.loads(line) for line in ok("load", str(model), "--context-tokens", "256", "--json", *target).splitlines()]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2pmesh.agent.http.config import HttpEndpoint
+from p2pmesh.core.protocol import BATCH_REQUESTS_DEFAULT, QUEUE_REQUESTS_DEFAULT
 from p2pmesh.core.settings import Settings
 
 DEFAULT_PORT = 7741
@@ -43,6 +44,10 @@ class AgentConfig:
     """Offer at most this much memory to the cluster (a Mac someone also works on)."""
     layer_ms: float | None = None
     """Publish this time per layer instead of the measured one (the memory is still measured)."""
+    max_batch: int = BATCH_REQUESTS_DEFAULT
+    """Requests this Mac's head worker serves at once (continuous batching)."""
+    max_queue: int = QUEUE_REQUESTS_DEFAULT
+    """Requests its head worker holds waiting for a slot; beyond them a request gets busy."""
     http: HttpEndpoint | None = None
     """Where to serve the OpenAI-compatible HTTP API (docs/http.md); None: not served."""
 

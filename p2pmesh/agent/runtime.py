@@ -136,7 +136,8 @@ class Agent:
         self.inbox_port = Inbox(self.inbox_send)
         self.places = peer_copy.ModelPlaces(config.state_dir, config.model_root)
         self.supervisor = Supervisor(self.view, self.inbox_port, WorkersConfig(
-            self.identity.node_id, config.state_dir, config.data_port_base, config.model_root))
+            self.identity.node_id, config.state_dir, config.data_port_base, config.model_root,
+            config.max_batch, config.max_queue))
         self._pairing: pairing.Pairing | None = None
         """Set once the agent listens (pairing's host listens at the bound port + 3)."""
         self._requests = 0

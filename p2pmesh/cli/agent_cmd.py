@@ -2,7 +2,8 @@
 
   p2pmesh agent [--state-dir DIR] [--listen HOST:PORT]... [--interface NAME]... [--peer HOST:PORT]...
                 [--cluster-key-file FILE] [--advertise HOST:PORT]... [--leave-on-exit] [--http HOST:PORT]
-                [--memory-limit BYTES] [--layer-ms MS] [--model-root DIR] [--configure-links]
+                [--memory-limit BYTES] [--layer-ms MS] [--max-batch N] [--max-queue N] [--model-root DIR]
+                [--configure-links]
                 [--log-level LEVEL] [--log-format text|json]
 
 This module turns the options into an AgentConfig and runs p2pmesh.agent.run_agent (agent/runtime.py) under
@@ -18,9 +19,24 @@ import argparse
 import math
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from p2pmesh.cli.common import EXIT_UNAVAILABLE, EXIT_USAGE, add_state_dir, failed
+from p2pmesh.core.protocol import BATCH_REQUESTS_DEFAULT, BATCH_REQUESTS_MAX, QUEUE_REQUESTS_DEFAULT, QUEUE_REQUESTS_MAX
+
+
+def _count(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]")
+        return value
+    return parse
 
 
 def _positive_ms(text: str) -> float:
@@ -57,6 +73,11 @@ def add_parser(subparsers: Any) -> None:
     agent.add_argument("--layer-ms", type=_positive_ms, default=None, metavar="MS",
                        help="report this time per layer instead of the measured one (a Mac that is "
                             "busy with other work while it measures, or whose timing you know)")
+    agent.add_argument("--max-batch", type=_count(1, BATCH_REQUESTS_MAX), default=BATCH_REQUESTS_DEFAULT, metavar="N",
+                       help="requests this Mac's head worker serves at once (default %(default)s)")
+    agent.add_argument("--max-queue", type=_count(0, QUEUE_REQUESTS_MAX), default=QUEUE_REQUESTS_DEFAULT, metavar="N",
+                       help="requests waiting for a slot; beyond them a request is refused as busy, HTTP 429 "
+                            "(default %(default)s)")
     agent.add_argument("--data-port", type=int, default=47000, help="first port of the data-plane workers")
     agent.add_argument("--model-root", type=Path, default=None, metavar="DIR",
                        help="look up model names that are relative paths here (a model only this Mac has is "
@@ -97,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         configure_links=args.configure_links,
         memory_limit_bytes=args.memory_limit,
         layer_ms=args.layer_ms,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
         data_port_base=args.data_port,
         model_root=args.model_root,
         http=http,

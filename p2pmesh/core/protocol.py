@@ -48,6 +48,12 @@ TEMPERATURE_MAX = 10.0
 CONTEXT_TOKENS_MAX = 1 << 22
 """The model op's context_tokens is in [1, CONTEXT_TOKENS_MAX]."""
 CONTEXT_TOKENS_DEFAULT = 4096
+BATCH_REQUESTS_DEFAULT = 8
+"""Requests a head worker serves at once (continuous batching, worker/scheduler.py)."""
+BATCH_REQUESTS_MAX = 256
+QUEUE_REQUESTS_DEFAULT = 64
+"""Requests a head worker holds waiting for a batch slot; beyond them it answers busy."""
+QUEUE_REQUESTS_MAX = 4096
 
 # A resumed request (core/serving.py) travels in one InferRequest as its prompt plus every
 # token generated so far: that sequence must fit the wire codec's bound.
@@ -57,6 +63,7 @@ assert SEED_LIMIT - 1 <= wire.INT_MAX and TOKEN_ID_LIMIT - 1 <= wire.INT_MAX
 assert 1 <= GENERATE_TOKENS_DEFAULT <= GENERATE_TOKENS_MAX <= CONTEXT_TOKENS_MAX
 assert 1 <= CONTEXT_TOKENS_DEFAULT <= CONTEXT_TOKENS_MAX
 assert PROMPT_TOKENS_MAX <= PROMPT_CHARS_MAX
+assert 1 <= BATCH_REQUESTS_DEFAULT <= BATCH_REQUESTS_MAX and 0 <= QUEUE_REQUESTS_DEFAULT <= QUEUE_REQUESTS_MAX
 
 
 def is_int(v: Any) -> bool:

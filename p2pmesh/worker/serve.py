@@ -35,14 +35,15 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any
 
+from p2pmesh.core import protocol as limits_
 from p2pmesh.worker.scheduler import Finished, Sampling, Scheduler
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 300.0
 DRAIN_TIMEOUT_S = 30.0
 HEARTBEAT_S = 0.5
-DEFAULT_MAX_BATCH = 8
-DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_BATCH = limits_.BATCH_REQUESTS_DEFAULT
+DEFAULT_MAX_QUEUE = limits_.QUEUE_REQUESTS_DEFAULT
 
 
 class Emitter:
@@ -109,7 +110,8 @@ class LineTooLong(Exception):
     """A stdin line over the limit: the agent's fault; the line is skipped."""
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's options (the agent's supervisor builds its command line: worker_command)."""
     parser = argparse.ArgumentParser(prog="python -m p2pmesh.worker.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="a local model directory or a Hugging Face id")
     parser.add_argument("--stages", required=True, help="JSON [[start, end], ...], one layer range per rank")
@@ -125,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="requests waiting for a slot; more are refused (busy)")
     parser.add_argument("--micro-batches", type=int, default=None,
                         help="decode groups in flight along the ring (default: one per stage)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     emitter = Emitter(sys.stdout)
     # Armed before MLX is even imported: it fires while native code blocks (accept, recv).
     faulthandler.dump_traceback_later(args.timeout_s, exit=True)

@@ -30,7 +30,7 @@ from p2pmesh.core import dataplane
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.node_io import WorkerCrashed, WorkerLoaded, WorkerOutput
 from p2pmesh.core.messages import WorkerFault
-from p2pmesh.core.protocol import ErrorCode
+from p2pmesh.core.protocol import BATCH_REQUESTS_DEFAULT, QUEUE_REQUESTS_DEFAULT, ErrorCode
 from p2pmesh.core.validate import FAULT_MESSAGE_MAX
 from p2pmesh.core.mlx_hostfile import (
     MlxConfigError,
@@ -71,6 +71,13 @@ def request_outcome(kind: str, worker_code: object) -> tuple[bool, str]:
     if worker_code == protocol.REQUEST_INVALID:
         return False, ErrorCode.PROMPT_REFUSED
     return True, ErrorCode.PROMPT_REFUSED
+
+
+def worker_command(model: str, stages: Any, rank: int, backend: str, config: WorkersConfig) -> list[str]:
+    """The command line of one rank's worker process (worker/serve.py)."""
+    return [sys.executable, "-m", "p2pmesh.worker.serve", "--model", model, "--stages", json.dumps(stages),
+            "--rank", str(rank), "--backend", backend,
+            "--max-batch", str(config.max_batch), "--max-queue", str(config.max_queue)]
 
 
 @dataclass
@@ -141,6 +148,10 @@ class WorkersConfig:
     base_port: int
     """This agent's --data-port (for a member that published none)."""
     model_root: Path | None = None
+    max_batch: int = BATCH_REQUESTS_DEFAULT
+    """Passed to the head worker (--max-batch): requests served at once."""
+    max_queue: int = QUEUE_REQUESTS_DEFAULT
+    """Passed to the head worker (--max-queue): requests waiting for a slot."""
 
 
 class Supervisor:
@@ -213,8 +224,7 @@ class Supervisor:
                 env[launch.file_env[name]] = str(path)
             env.update(launch.env)
         model = model_dir(want.model, self.config.model_root, self.config.state_dir)
-        cmd = [sys.executable, "-m", "p2pmesh.worker.serve", "--model", model, "--stages", json.dumps(stages),
-               "--rank", str(want.rank), "--backend", backend]
+        cmd = worker_command(model, stages, want.rank, backend, self.config)
         log_file = open(cfg_dir / f"worker-{want.epoch}.log", "ab")  # noqa: SIM115 - owned by the process
         try:
             process = await trio.lowlevel.open_process(
