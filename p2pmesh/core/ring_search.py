@@ -318,11 +318,12 @@ def search_steps(size: int, hop: list[list[Pair | None]], *, expansions_max: int
     budget = _Budget(expansions_max, slice_steps)
     bounds = _Bounds(size, hop)
     neighbours = _neighbours(size, hop)
-    by_segments = (yield from _fewest_by_segments(size, hop, budget)) if _complete(size, hop) else None
+    slow_kinds = _slow_kinds(size, hop)
+    by_segments = (yield from _fewest_by_segments(size, hop, budget)) if slow_kinds else None
     if by_segments is not None:
         slow_fewest, fewest_path = by_segments
-        background = _uniform_background(size, hop)
-        if background is not None:
+        if len(slow_kinds) == 1:
+            (background,) = slow_kinds
             return (yield from _value_by_segments(size, hop, background, slow_fewest, fewest_path, budget))
     else:
         fewest = _FewestSlow(size, hop, neighbours, bounds, budget)
@@ -362,29 +363,15 @@ def _tie_break(size: int, hop: list[list[Pair | None]], bounds: _Bounds, target:
     return (yield from ties.run())
 
 
-def _complete(size: int, hop: list[list[Pair | None]]) -> bool:
-    """Every pair has a hop (every Mac on one network), some of them slow: segments joined
-    by slow hops may then go in any order."""
+def _slow_kinds(size: int, hop: list[list[Pair | None]]) -> set[Pair]:
+    """The distinct slow hops when every pair has a hop (every Mac on one network): segments
+    joined by slow hops may then go in any order, and when there is only one kind (one LAN
+    whose RTTs are unknown, as in a cluster: only cables are probed) every order costs the
+    same. Empty when a pair has no hop or no hop is slow."""
     pairs = [hop[i][j] for i in range(size) for j in range(i + 1, size)]
-    return all(h is not None for h in pairs) and any(h.slow for h in pairs)  # type: ignore[union-attr]
-
-
-def _uniform_background(size: int, hop: list[list[Pair | None]]) -> Pair | None:
-    """The slow hop that joins every pair no Thunderbolt cable joins, when every pair has a
-    hop and all the slow ones are the same (one LAN whose RTTs are unknown, as in a cluster:
-    only cables are probed); None otherwise, or when every pair is cabled."""
-    background: Pair | None = None
-    for i in range(size):
-        for j in range(i + 1, size):
-            h = hop[i][j]
-            if h is None:
-                return None
-            if h.slow:
-                if background is None:
-                    background = h
-                elif h != background:
-                    return None
-    return background
+    if any(h is None for h in pairs):
+        return set()
+    return {h for h in pairs if h.slow}  # type: ignore[union-attr]
 
 
 def _segment_need(need: int, j: int, rest: int, slow: int) -> int:
