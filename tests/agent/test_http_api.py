@@ -380,11 +380,11 @@ def test_malformed_and_invalid_bodies_say_what_is_wrong(served: Served) -> None:
         ("/v1/completions", {"prompt": "x", "seed": -1}, "seed"),
         ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
         ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
-        ("/v1/completions", {"prompt": "x", "stop": [1]}, "stop"),
+        ("/v1/completions", {"prompt": "x", "stop": [1]}, "stop[0]"),
         ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
     ]
     for path, body, param in cases:
         status, message, got_param = _error(post(path, json.dumps(body).encode()))

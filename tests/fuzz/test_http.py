@@ -9,7 +9,8 @@ no tokenizer (so no model is loaded and nothing is downloaded).
 
 Every request gets exactly one answer, within a time bound: 200, or a 4xx whose JSON body
 says what is wrong; never a 5xx. The answer agrees with the pure parsers: a body they refuse
-is a 400 and never reaches the agent; a body they accept reaches the agent once. The app
+is a 400 naming the same field (`param`) and never reaches the agent; a body they accept
+reaches the agent once. The app
 holds no request afterwards (its in-flight count is back to zero).
 
 The same checks over real HTTP with a real agent are in tests/agent/test_http_api.py.
@@ -36,12 +37,11 @@ from p2pmesh.agent.http import (
     parse_chat,
     parse_completion,
 )
+from tests.fixtures.asgi import post
 from tests.fuzz import fuzz_settings, tally
 
 MODEL = "org/fuzz-model"
 BODY_BYTES_MAX = 8192
-REQUEST_S_MAX = 10.0
-"""A request to the in-process app takes milliseconds; this bound catches a hang."""
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -71,37 +71,6 @@ class _NoTokenizers(Tokenizers):
 
     async def get(self, name: str) -> Loaded:
         return Loaded(None)
-
-
-async def _post(app: HttpApi, path: str, body: bytes, cuts: list[int], declare_length: bool) -> tuple[int, bytes]:
-    points = sorted({c % (len(body) + 1) for c in cuts} | {0, len(body)})
-    parts = [body[a:b] for a, b in zip(points, points[1:])] or [b""]
-    pending = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
-    headers = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")]
-    if declare_length:
-        headers.append((b"content-length", str(len(body)).encode()))
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
-             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 7780)}
-
-    async def receive() -> dict[str, Any]:
-        if pending:
-            return pending.pop(0)
-        await trio.sleep_forever()  # the client stays connected
-        raise AssertionError("unreachable")
-
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    with trio.fail_after(REQUEST_S_MAX):
-        await app(scope, receive, send)
-    starts = [m for m in sent if m["type"] == "http.response.start"]
-    assert len(starts) == 1, sent
-    bodies = [m for m in sent if m["type"] == "http.response.body"]
-    assert bodies and not bodies[-1].get("more_body", False)  # the answer is complete
-    return starts[0]["status"], b"".join(m.get("body", b"") for m in bodies)
 
 
 # --------------------------------------------------------------------------------------
@@ -184,7 +153,7 @@ _bodies = st.one_of(
     _request.map(lambda v: json.dumps(v).encode()),
     _plausible.map(lambda v: json.dumps(v).encode()),
     _plausible.map(lambda v: json.dumps(v).encode()),
-    _request.map(lambda v: json.dumps(v, ensure_ascii=False).encode("utf-16")),  # json.loads detects UTF-16
+    _request.map(lambda v: json.dumps(v, ensure_ascii=False).encode("utf-16")),  # still taken (schema._utf8)
     st.integers(1, 50_000).map(lambda n: b"[" * n + b"]" * n),
     st.integers(500, 3000).map(lambda n: _deep(n, "[", "]")),
     st.sampled_from([b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}',
@@ -199,13 +168,7 @@ def _expected_refusal(path: str, body: bytes) -> ApiError | None:
     if len(body) > BODY_BYTES_MAX:
         return ApiError(413, "too large")
     try:
-        value = json.loads(body)
-    except Exception:  # noqa: BLE001 - not JSON, in any of the ways json.loads can say so
-        return ApiError(400, "not JSON")
-    if not isinstance(value, dict):
-        return ApiError(400, "not an object")
-    try:
-        parse_completion(value) if path == PATHS[0] else parse_chat(value)
+        parse_completion(body) if path == PATHS[0] else parse_chat(body)
     except ApiError as exc:
         return exc
     return None
@@ -223,7 +186,7 @@ def test_every_body_gets_a_200_or_a_clear_4xx(path: str, body: bytes, cuts: list
     app.tokenizers = _NoTokenizers()
     expected = _expected_refusal(path, body)
 
-    status, answer = trio.run(_post, app, path, body, cuts, declare_length)
+    status, answer = trio.run(post, app, path, body, cuts, declare_length)
 
     assert app.active == 0
     assert status in (200, 400, 413), (status, answer[:300])
@@ -239,4 +202,9 @@ def test_every_body_gets_a_200_or_a_clear_4xx(path: str, body: bytes, cuts: list
     assert isinstance(error["message"], str) and error["message"]
     assert error["type"] == "invalid_request_error"
     assert error["param"] is None or isinstance(error["param"], str)
+    # How deep the parser may recurse depends, on Python 3.11, on how deep the caller's stack
+    # already is, and the app's is deeper than this test's: deep nesting may be refused there
+    # as such while the parsers here name a field.
+    if status == 400 and not error["message"].endswith("nested too deeply"):
+        assert expected is not None and error["param"] == expected.param, (error, expected)
     tally("http", f"refused: {status}")

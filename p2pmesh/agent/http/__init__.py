@@ -1,22 +1,11 @@
 """The agent's OpenAI-compatible HTTP API (docs/http.md): `serve_http` and the names the CLI,
 embedders and tests use. The modules: server.py (serving, routing, authentication, limits),
-config.py (settings and start-up checks), bodies.py (OpenAI's request and response shapes),
-prompts.py (chat templates, token counts), stream.py (one response, one generation)."""
+config.py (settings and start-up checks), schema.py (the request bodies' msgspec schemas),
+bodies.py (OpenAI's error and response shapes), prompts.py (chat templates, token counts),
+stream.py (one response, one generation)."""
 from __future__ import annotations
 
-from p2pmesh.agent.http.bodies import (
-    CHAT_ROLES,
-    PROMPT_TOKENS_MAX,
-    SEED_LIMIT,
-    TEMPERATURE_MAX,
-    ApiError,
-    ChatMessage,
-    Options,
-    api_error,
-    generation_error,
-    parse_chat,
-    parse_completion,
-)
+from p2pmesh.agent.http.bodies import ApiError, api_error, generation_error
 from p2pmesh.agent.http.config import (
     DEFAULT_HTTP_ADDRESS,
     DEFAULT_HTTP_HOST,
@@ -34,6 +23,16 @@ from p2pmesh.agent.http.config import (
     parse_address,
 )
 from p2pmesh.agent.http.prompts import Loaded, Prompt, Tokenizers, fallback_chat_prompt, render_chat
+from p2pmesh.agent.http.schema import (
+    CHAT_ROLES,
+    PROMPT_TOKENS_MAX,
+    SEED_LIMIT,
+    TEMPERATURE_MAX,
+    ChatMessage,
+    Options,
+    parse_chat,
+    parse_completion,
+)
 from p2pmesh.agent.http.server import HttpApi, Service, serve_http
 from p2pmesh.agent.http.stream import StopScanner
 

@@ -13,7 +13,8 @@ from typing import Any
 import trio
 
 from p2pmesh.agent import chat_template, models
-from p2pmesh.agent.http.bodies import PROMPT_TOKENS_MAX, ChatMessage, bad
+from p2pmesh.agent.http.bodies import bad
+from p2pmesh.agent.http.schema import PROMPT_TOKENS_MAX, ChatMessage
 
 log = logging.getLogger("p2pmesh.http")
 

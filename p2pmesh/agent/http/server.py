@@ -4,7 +4,8 @@ This module owns the serving and the routing: a hand-written ASGI app served by 
 trio worker, the endpoints (`GET /health`, `GET /v1/models`, `GET /v1/cluster`,
 `POST /v1/completions`, `POST /v1/chat/completions`, the last two also as server-sent
 events), authentication, limits and reading bodies. Beside it: config.py (settings and the
-start-up checks), bodies.py (OpenAI's request and response shapes, errors), prompts.py
+start-up checks), schema.py (the request bodies' schemas), bodies.py (OpenAI's response shapes,
+errors), prompts.py
 (chat templates, token counts), stream.py (one response, one generation).
 
 Generation itself is the agent's `generate` op, the same one `p2pmesh generate` uses over the
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -28,7 +28,8 @@ from typing import Any, Protocol
 
 import trio
 
-from p2pmesh.agent.http.bodies import ApiError, Options, Shape, bad, parse_chat, parse_completion
+from p2pmesh.agent.http.bodies import ApiError, Shape
+from p2pmesh.agent.http.schema import Options, parse_chat, parse_completion
 from p2pmesh.agent.http.config import HttpBindError, HttpLimits, check_bind
 from p2pmesh.agent.http.prompts import Prompt, Tokenizers
 from p2pmesh.agent.http.stream import Receive, Reply, Run, Send
@@ -203,7 +204,7 @@ class HttpApi:
         elif path == "/v1/cluster":
             await reply.json(200, self._cluster())
         else:
-            body = await self._read_json(headers, receive, reply)
+            body = await self._read_body(headers, receive, reply)
             if body is None:
                 return  # the client went away while sending its request
             if path == "/v1/completions":
@@ -220,7 +221,9 @@ class HttpApi:
 
     # -- reading requests ------------------------------------------------------------
 
-    async def _read_json(self, headers: dict[str, str], receive: Receive, reply: Reply) -> Any:
+    async def _read_body(self, headers: dict[str, str], receive: Receive, reply: Reply) -> bytes | None:
+        """The body's bytes (None: the client went away), bounded in size and time; schema.py
+        parses them."""
         limit = self.limits.max_body_bytes
         declared = headers.get("content-length")
         if declared is not None:
@@ -246,18 +249,7 @@ class HttpApi:
         if scope.cancelled_caught:
             raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s", code="timeout")
         reply.unread = False
-        raw = b"".join(chunks)
-        if not raw.strip():
-            raise bad("the request needs a JSON object body")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad(f"the body is not valid JSON: {exc}") from None
-        except RecursionError:  # json's parser recurses: a few thousand brackets are enough
-            raise bad("the body is not valid JSON: it is nested too deeply") from None
-        if not isinstance(body, dict):
-            raise bad("the body must be a JSON object")
-        return body
+        return b"".join(chunks)
 
     # -- the cheap endpoints ------------------------------------------------------------
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import trio
 
-from p2pmesh.agent.http.bodies import ApiError, Options, Shape, generation_error
+from p2pmesh.agent.http.bodies import ApiError, Shape, generation_error
+from p2pmesh.agent.http.schema import Options
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
