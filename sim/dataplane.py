@@ -1,12 +1,21 @@
 """Fake MLX workers on virtual time: the data plane the core's decisions drive.
 
 After every Ready of a node the world hands it here (as an observer, after the fsync, like
-the agent acts on effects), and this module does what p2pmesh/workers.py does with real
-processes: fetch a stage's files (``StageFilesFetched(epoch)`` after a seeded delay, as
-p2pmesh/fetch.py does with real downloads), run one worker per epoch in
-``dataplane.wanted_workers(state, me)``, stop the ones no longer wanted, feed
-``WorkerLoaded(epoch)`` once a worker has "loaded" (a seeded delay), and hand the head's ``Ready.submits`` to its rank-0 worker, whose tokens come back
-as ``WorkerOutput`` inputs.
+the agent acts on effects). What the agent's tasks decide is not written again here: each
+simulated agent process (a node's boot generation) holds the very objects the agent's tasks
+drive, and this module carries out their decisions with fake processes on virtual time:
+- the fetch task's ``FetchPlanner`` (core/stage_fetch.py, as agent/tasks/fetch.py): which
+  stage to fetch now, one at a time; the fake fetch takes a seeded delay (the simulated Macs
+  have the model on disk) and never fails;
+- the worker supervisor's ``WorkerBook`` (core/supervision.py, as agent/tasks/workers.py):
+  which workers to start and stop, which are hung (a live fake process heartbeats; a head
+  that makes no progress for its timeout is hung), and what each worker event means to the
+  core: the fake workers emit worker/protocol.py events (``ready``, ``token``, ``done``),
+  which the book turns into ``WorkerLoaded`` and ``WorkerOutput`` exactly as the agent does;
+  a worker whose process exits is reported as ``WorkerCrashed`` by the book, once;
+- the head's ``Ready.submits`` go to the book and to its rank-0 fake worker (``observe``, the
+  one place this module reads a Ready).
+The fake model, the fake timings and the faults (a group breaks, stalls) are this module's.
 
 The fake model is a pure function of the context: the next token is a hash of every token
 before it (prompt plus generated), so a request resumed elsewhere with the tokens generated
@@ -34,9 +43,11 @@ from dataclasses import dataclass, field
 
 from p2pmesh.core import dataplane
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.machine import Mode, Ready, StageFilesFetched, WorkerCrashed, WorkerLoaded, WorkerOutput
+from p2pmesh.core.machine import Mode, Ready
 from p2pmesh.core.messages import Stage
 from p2pmesh.core.serving import GenerateParams, WorkerSubmit
+from p2pmesh.core.stage_fetch import FetchPlanner
+from p2pmesh.core.supervision import WatchedWorker, WorkerBook
 from sim.node import SimNode
 from sim.world import World
 
@@ -129,10 +140,22 @@ class FakeWorker:
     stages: tuple[Stage, ...]
     started_us: int
     token_us: int
+    watch: WatchedWorker
+    """What the node's WorkerBook knows of it (the agent's supervisor, core/supervision.py)."""
     loaded_us: int | None = None
     dead: str | None = None
     queue: deque[_Job] = field(default_factory=deque)
     busy: bool = False
+
+
+@dataclass(slots=True)
+class _Agent:
+    """The decisions of one agent process (a node's boot generation): the very objects the
+    agent's worker supervisor and fetch task drive (core/supervision.py, core/stage_fetch.py)."""
+
+    gen: int
+    book: WorkerBook
+    planner: FetchPlanner
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +165,14 @@ class DataPlaneStats:
     groups_broken: int
     submits: int
     resumed_requests: int
+
+
+_HEARTBEAT = {"event": "heartbeat"}
+
+
+def _seconds(t_us: int) -> float:
+    """Virtual time on the clock the agent's decisions take (seconds)."""
+    return t_us / 1_000_000
 
 
 class DataPlane:
@@ -154,8 +185,10 @@ class DataPlane:
         """Which prompts the head reports back as tokens in its first output: "text" (the
         ones it tokenized), "all" (also those given as tokens) or "none"."""
         self.workers: dict[int, dict[int, FakeWorker]] = {}
-        """node index -> epoch -> its worker (dead ones stay until unwanted, as the agent's
-        Supervisor keeps failed epochs: it never restarts a rank of a formed group)."""
+        """node index -> epoch -> its worker process (dead ones stay: the node's WorkerBook
+        never restarts a failed epoch, as MLX cannot re-form a group with one new rank)."""
+        self.agents: dict[int, _Agent] = {}
+        """node index -> the decisions of its running agent process."""
         self.broken: dict[int, str] = {}
         """epoch -> why its group broke (permanent)."""
         self.loaded_ever: set[tuple[NodeId, int]] = set()
@@ -165,40 +198,47 @@ class DataPlane:
         """request -> epochs it was submitted to a head worker in (more than one: resumed)."""
         self.started = 0
         self.submits = 0
-        self.fetching: set[tuple[int, int, int]] = set()
-        """(node index, process generation, epoch) whose stage files are being fetched."""
         world.observers.append(self.observe)
 
     # ------------------------------------------------------------------------------
     # Driven by the world
 
     def observe(self, node: SimNode, ready: Ready) -> None:
+        """After a Ready's fsync, as the agent acts on it: its tasks see the new state, and
+        its submits go to the head worker (the one place this module reads a Ready)."""
         self.reconcile(node)
         for s in ready.submits:
             self._submit(node, s)
 
     def reconcile(self, node: SimNode) -> None:
-        """Start the workers the node's committed state wants, stop the others."""
+        """What the agent's tasks do on a new snapshot: the fetch task looks for a stage to
+        fetch, the supervisor starts the workers the committed state wants and stops the
+        others (core/supervision.py decides; this carries it out with fake processes)."""
         m = node.machine
         mine = self.workers.setdefault(node.index, {})
-        wanted: dict[int, dataplane.WantedWorker] = {}
-        if m is not None and m.raft is not None and m.mode is Mode.MEMBER and node.alive and not node.left:
-            wanted = {w.epoch: w for w in dataplane.wanted_workers(m.raft.state, node.node_id)}
-            fetch = dataplane.fetch_wanted(m.raft.state, node.node_id)
-            if fetch is not None and (node.index, node.gen, fetch[0]) not in self.fetching:
-                self._fetch(node, fetch[0])
         for epoch, w in list(mine.items()):
             if w.gen != node.gen:
+                # The Mac rebooted: its processes are gone with its old agent.
                 self._break(epoch, f"{node.name} lost its rank-{w.rank} worker (process gone)")
                 del mine[epoch]
-            elif epoch not in wanted:
-                w.dead = w.dead or "stopped"
-                self._break(epoch, f"{node.name} stopped its rank-{w.rank} worker")
-                self.world.note(f"{node.name} stops worker epoch={epoch}")
-                del mine[epoch]
-        for epoch, want in wanted.items():
-            if epoch not in mine:
-                self._start(node, want)
+        if m is None or m.raft is None:
+            return  # no cluster state: the agent's tasks wait for one
+        agent = self._agent(node)
+        self._plan_fetch(node, agent)
+        now = _seconds(self.world.now_us)
+        for w in mine.values():
+            if w.dead is None and agent.book.workers.get(w.epoch) is w.watch:
+                agent.book.heard(w.watch, _HEARTBEAT, now)  # a live process heartbeats every 0.5 s
+        state = m.raft.state
+        moves = agent.book.reconcile(state, now)
+        for watch in moves.stop:
+            self._stop(node, watch.epoch, "stopped", f"{node.name} stopped its rank-{watch.rank} worker")
+        for watch in moves.hung:
+            self._stop(node, watch.epoch, "hung", f"{node.name} stopped its hung rank-{watch.rank} worker")
+        for crash in moves.crashed:
+            self.world.call(node, crash)
+        for want in moves.start:
+            self._start(node, agent, want)
 
     def kill(self, node: SimNode, epoch: int, why: str) -> None:
         """A worker dies on a live Mac (the opt-in ``worker-death`` fault)."""
@@ -206,6 +246,7 @@ class DataPlane:
         if w is not None and w.dead is None:
             w.dead = why
             self._break(epoch, f"{node.name}'s rank-{w.rank} worker died ({why})")
+            self._exited(node, w)
 
     # ------------------------------------------------------------------------------
     # Queries
@@ -246,34 +287,60 @@ class DataPlane:
     def _alive(self, node: SimNode, w: FakeWorker) -> bool:
         return w.dead is None and node.alive and not node.left and node.gen == w.gen
 
+    def _agent(self, node: SimNode) -> _Agent:
+        agent = self.agents.get(node.index)
+        if agent is None or agent.gen != node.gen:
+            now = _seconds(self.world.now_us)
+            agent = self.agents[node.index] = _Agent(node.gen, WorkerBook(node.node_id), FetchPlanner(node.node_id, now))
+        return agent
+
     def _break(self, epoch: int, why: str) -> None:
         if epoch not in self.broken:
             self.broken[epoch] = why
             self.world.note(f"group epoch={epoch} broken: {why}")
             # MLX's ranks fail once a peer's process is gone ("connection to a peer was
-            # lost"); each live Mac's agent then reports its worker of the epoch as crashed.
+            # lost") and exit; each live Mac's agent then reports its worker as crashed.
             for index, mine in self.workers.items():
                 if epoch in mine:
-                    self._report_crash(self.world.nodes[index], epoch)
+                    self._exited(self.world.nodes[index], mine[epoch])
 
-    def _report_crash(self, node: SimNode, epoch: int) -> None:
-        if node.alive and not node.left and node.machine is not None:
-            self.world.call(node, WorkerCrashed(epoch))
+    def _exited(self, node: SimNode, w: FakeWorker) -> None:
+        """The worker's process exited: its agent reports the crash (WorkerBook.exited), once."""
+        agent = self.agents.get(node.index)
+        if agent is None or agent.gen != w.gen or not node.alive or node.left or node.machine is None:
+            return
+        crash = agent.book.exited(w.watch)
+        if crash is not None:
+            self.world.call(node, crash)
 
-    def _fetch(self, node: SimNode, epoch: int) -> None:
-        key = (node.index, node.gen, epoch)
-        self.fetching = {k for k in self.fetching if k[2] >= epoch - 2} | {key}
-        gen = node.gen
+    def _stop(self, node: SimNode, epoch: int, how: str, why: str) -> None:
+        w = self.workers[node.index].pop(epoch)
+        w.dead = w.dead or how
+        self._break(epoch, why)
+        self.world.note(f"{node.name} stops worker epoch={epoch}")
+
+    def _plan_fetch(self, node: SimNode, agent: _Agent) -> None:
+        """The fetch task: the planner's next job, done after a seeded delay (the simulated
+        Macs have the model on disk), then reported; one at a time, as the task does."""
+        m = node.machine
+        if m is None or m.raft is None or node.paused:
+            return
+        state = m.raft.state if m.mode is Mode.MEMBER else None
+        job = agent.planner.next_job(state, str(m.cluster), _seconds(self.world.now_us))
+        if job is None:
+            return
 
         def fetched() -> None:
-            if node.alive and not node.left and node.gen == gen and node.machine is not None:
-                self.world.call(node, StageFilesFetched(epoch))
+            if node.alive and not node.left and node.gen == agent.gen and node.machine is not None:
+                self.world.call(node, agent.planner.fetched(job))
+                self._plan_fetch(node, agent)  # the task looks again at once
 
         self.world.at(self.world.now_us + self.rng.randint(*FETCH_US), fetched)
 
-    def _start(self, node: SimNode, want: dataplane.WantedWorker) -> None:
+    def _start(self, node: SimNode, agent: _Agent, want: dataplane.WantedWorker) -> None:
+        watch = agent.book.started(want, _seconds(self.world.now_us))
         w = FakeWorker(
-            node.index, node.gen, want.epoch, want.rank, want.stages, self.world.now_us, self.rng.randint(*TOKEN_US)
+            node.index, node.gen, want.epoch, want.rank, want.stages, self.world.now_us, self.rng.randint(*TOKEN_US), watch
         )
         self.workers[node.index][want.epoch] = w
         self.started += 1
@@ -286,15 +353,25 @@ class DataPlane:
             return
         if w.epoch in self.broken:
             # Its layers load, but the group it should join is gone: it never becomes ready,
-            # its ring connect gives up, and the agent reports the crash.
-            self._report_crash(node, w.epoch)
+            # its ring connect gives up and it exits; the agent reports the crash.
+            self._exited(node, w)
             return
         w.loaded_us = self.world.now_us
         self.loaded_ever.add((node.node_id, w.epoch))
         self.world.note(f"{node.name} worker epoch={w.epoch} loaded")
-        self.world.call(node, WorkerLoaded(w.epoch))  # deferred while the Mac sleeps
+        self._emit(node, w, {"event": "ready", "rank": w.rank})  # deferred while the Mac sleeps
         if w.queue and not w.busy:
             self._schedule(node, w, self.rng.randint(*PREFILL_US))
+
+    def _emit(self, node: SimNode, w: FakeWorker, event: dict[str, object]) -> None:
+        """A worker event (worker/protocol.py) read by its agent: the input it means to the
+        core, as the agent's supervisor decodes it (WorkerBook.heard)."""
+        agent = self.agents.get(node.index)
+        if agent is None or agent.gen != w.gen:
+            return
+        got = agent.book.heard(w.watch, event, _seconds(self.world.now_us))
+        if got is not None:
+            self.world.call(node, got)
 
     # ------------------------------------------------------------------------------
     # The head: one request at a time
@@ -306,9 +383,11 @@ class DataPlane:
         what = f"{len(p.prompt_tokens)} prompt tokens" if p.prompt_tokens else "a text prompt"
         self.world.note(f"{node.name} head epoch={s.epoch} gets {s.req}: {what}, {p.max_tokens} to generate")
         w = self.workers.get(node.index, {}).get(s.epoch)
-        if w is None or w.rank != 0 or w.dead is not None:
-            # What the agent's Supervisor does when it has no head worker for the epoch: the
-            # request waits with its origin for the next epoch.
+        agent = self.agents.get(node.index)
+        if (w is None or w.dead is not None or agent is None or agent.gen != w.gen
+                or agent.book.submit(s.epoch, f"{s.req}@{s.attempt}", _seconds(self.world.now_us)) is None):
+            # The agent's supervisor has no head worker for the epoch here: the request
+            # waits with its origin for the next epoch.
             return
         w.queue.append(self._job(s.req, s.params, s.attempt))
         if not w.busy and w.loaded_us is not None:
@@ -341,20 +420,18 @@ class DataPlane:
                 self._schedule(node, w, STALL_POLL_US)
             return
         tok = next_token(job.h) if job.left > 0 else None
+        ident = f"{job.req}@{job.attempt}"
         prompt, job.first = (job.report_prompt if job.first else ()), False
-        epoch = w.epoch
-        if tok is None:  # nothing left to generate (a resume asks only for the rest)
-            self.world.call(node, WorkerOutput(epoch, job.req, (), "", True, "length", prompt, job.attempt))
-            w.queue.popleft()
-        elif tok == EOS:
-            self.world.call(node, WorkerOutput(epoch, job.req, (), "", True, "stop", prompt, job.attempt))
+        first: dict[str, object] = {"prompt_tokens": list(prompt)} if prompt else {}
+        if tok is None or tok == EOS:  # EOS, or nothing left to generate (a resume asks only for the rest)
+            self._emit(node, w, {"event": "done", "id": ident, "finish": "length" if tok is None else "stop", **first})
             w.queue.popleft()
         else:
             job.h = _mix(job.h, tok)
             job.left -= 1
-            self.world.call(node, WorkerOutput(epoch, job.req, (tok,), f"t{tok} ", False, "", prompt, job.attempt))
+            self._emit(node, w, {"event": "token", "id": ident, "token": tok, "text": f"t{tok} ", **first})
             if job.left <= 0:
-                self.world.call(node, WorkerOutput(epoch, job.req, (), "", True, "length", (), job.attempt))
+                self._emit(node, w, {"event": "done", "id": ident, "finish": "length"})
                 w.queue.popleft()
         if w.queue:
             jitter = self.rng.randint(0, w.token_us // 5)

@@ -227,3 +227,14 @@ class RequestInvalid(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+# ----------------------------------------------------------------------------------------
+# The worker's error codes (worker/protocol.py documents them; the agent's supervisor,
+# core/supervision.py, decides on them, so they live where both may import them)
+
+WORKER_REQUEST_INVALID = "request_invalid"
+WORKER_COMMAND_INVALID = "command_invalid"
+WORKER_PIPELINE_BROKEN = "pipeline_broken"
+WORKER_UNUSABLE = "unusable"
+WORKER_BUSY = "busy"

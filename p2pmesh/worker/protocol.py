@@ -49,11 +49,12 @@ MAX_ID_CHARS = 256
 SEED_LIMIT = limits_.SEED_LIMIT
 DEFAULT_MAX_TOKENS = limits_.GENERATE_TOKENS_DEFAULT
 
-REQUEST_INVALID = "request_invalid"
-COMMAND_INVALID = "command_invalid"
-PIPELINE_BROKEN = "pipeline_broken"
-UNUSABLE = "unusable"
-BUSY = "busy"
+# The error codes are defined in core/protocol.py, where the agent's supervisor reads them.
+REQUEST_INVALID = limits_.WORKER_REQUEST_INVALID
+COMMAND_INVALID = limits_.WORKER_COMMAND_INVALID
+PIPELINE_BROKEN = limits_.WORKER_PIPELINE_BROKEN
+UNUSABLE = limits_.WORKER_UNUSABLE
+BUSY = limits_.WORKER_BUSY
 ERROR_CODES = (REQUEST_INVALID, COMMAND_INVALID, PIPELINE_BROKEN, UNUSABLE, BUSY)
 FINISH_CANCELLED = "cancelled"
 

@@ -12,7 +12,9 @@ Copies of models the cluster no longer serves are removed once its model has sta
 for PRUNE_AFTER_S (they are p2pmesh's own files under the state directory, and large).
 
 The task reads the ClusterView (committed, durable state) and wakes when it changes; the only
-timers are the backoff between tries and the prune deadline.
+timers are the backoff between tries and the prune deadline. Which stage to fetch, when to
+try again, when to give up and when to prune are decided by core/stage_fetch.py's planner
+(sans I/O, also driven by the simulator); this module does the copies and downloads.
 
 A local model directory has its files already: it is reported at once, after a check that
 the directory is there. Otherwise the files are copied from the other Macs that have them
@@ -25,7 +27,6 @@ times; the active epoch keeps serving meanwhile.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 
 import trio
@@ -33,17 +34,16 @@ import trio
 from p2pmesh.agent import models
 from p2pmesh.agent.ports import ClusterView, Inbox
 from p2pmesh.agent.tasks.peer_copy import PeerCopy
-from p2pmesh.core import dataplane
-from p2pmesh.core.node_io import StageFilesFetched, WorkerCrashed
+from p2pmesh.core import stage_fetch
 from p2pmesh.drivers import model_files
 
 log = logging.getLogger("p2pmesh.fetch")
 
-PRUNE_AFTER_S = 60.0
-"""Copies of other models are removed once the cluster has kept its model this long."""
-FETCH_ATTEMPTS_MAX = 8
-BACKOFF_S = (2.0, 60.0)
-"""First and largest wait between two tries of the same epoch's fetch."""
+PRUNE_AFTER_S = stage_fetch.PRUNE_AFTER_S
+FETCH_ATTEMPTS_MAX = stage_fetch.FETCH_ATTEMPTS_MAX
+BACKOFF_S = stage_fetch.BACKOFF_S
+"""The planner's policy (core/stage_fetch.py says what each means), named here so a test may
+shorten it for this task."""
 
 
 async def ensure_layers(copier: PeerCopy, model: str, layers: tuple[int, int] | None) -> Path:
@@ -73,56 +73,40 @@ async def ensure_layers(copier: PeerCopy, model: str, layers: tuple[int, int] | 
 
 
 async def fetch_loop(view: ClusterView, inbox: Inbox, copier: PeerCopy) -> None:
-    """For the agent's lifetime: fetch the stage of each pending placement, then report it."""
-    reported: set[tuple[str, int]] = set()
-    """(cluster, epoch) fetched and reported: epochs restart in another cluster."""
-    failures: dict[tuple[str, int], int] = {}
-    model_since: tuple[str | None, float] = (None, trio.current_time())
-    pruned_for: str | None = None
-    seen = -1
+    """For the agent's lifetime: fetch the stage of each pending placement, then report it.
+    What to fetch, when to try again and when to prune is the planner's (core/stage_fetch.py)."""
+    policy = stage_fetch.FetchPolicy(FETCH_ATTEMPTS_MAX, BACKOFF_S, PRUNE_AFTER_S)
+    planner = stage_fetch.FetchPlanner(view.current.node_id, trio.current_time(), policy)
     while True:  # for the agent's lifetime; cancelled with its nursery
         snapshot = view.current
-        seen = snapshot.version
         committed = snapshot.state.model if snapshot.state is not None else None
-        name = committed.name if committed is not None else None
-        if name != model_since[0]:
-            model_since = (name, trio.current_time())
-        elif name is not None and name != pruned_for and trio.current_time() - model_since[1] >= PRUNE_AFTER_S:
-            pruned_for = name
-            for d in await trio.to_thread.run_sync(models.prune_copies, copier.places.state_dir, name):
+        prune = planner.prune_due(committed.name if committed is not None else None, trio.current_time())
+        if prune is not None:
+            for d in await trio.to_thread.run_sync(models.prune_copies, copier.places.state_dir, prune):
                 log.info("removed this Mac's copy of another model: %s", d)
-        state = snapshot.member_state
-        want = dataplane.fetch_wanted(state, snapshot.node_id) if state is not None else None
-        key = (str(snapshot.cluster), want[0]) if want is not None else None
-        if want is not None and key is not None and key not in reported and failures.get(key, 0) < FETCH_ATTEMPTS_MAX:
-            epoch, model, start, end = want
-            started = trio.current_time()
-            try:
-                await ensure_layers(copier, model, (start, end))
-            except models.ModelError as exc:
-                tries = failures[key] = failures.get(key, 0) + 1
-                wait = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (tries - 1))
-                if tries < FETCH_ATTEMPTS_MAX:
-                    log.warning("epoch %d: cannot fetch layers %d-%d of %s (try %d of %d, again in %.0f s): %s",
-                                epoch, start, end, model, tries, FETCH_ATTEMPTS_MAX, wait, exc)
-                    await trio.sleep(wait)
-                else:
-                    # Like a worker that cannot start: the epoch is reported broken, and the
-                    # leader restarts or re-plans it (bounded by dataplane.RESTARTS_MAX).
-                    log.error("epoch %d: giving up fetching layers %d-%d of %s after %d tries: %s",
-                              epoch, start, end, model, tries, exc)
-                    await inbox.put(WorkerCrashed(epoch))
-                continue  # look again at what is current now
-            took = trio.current_time() - started
-            if took >= 1.0:
-                log.info("epoch %d: fetched layers %d-%d of %s in %.1f s", epoch, start, end, model, took)
-            reported = {k for k in reported if k[0] == key[0] and k[1] >= epoch - 2} | {key}
-            failures = {k: n for k, n in failures.items() if k[0] == key[0] and k[1] >= epoch - 2}
-            await inbox.put(StageFilesFetched(epoch))
+        job = planner.next_job(snapshot.member_state, str(snapshot.cluster), trio.current_time())
+        if job is None:
+            # Nothing to do until the committed state changes, or until a deadline of the
+            # planner's passes (copies of other models to prune, the end of a backoff).
+            await view.changed(snapshot.version, timeout_s=planner.wake_in(trio.current_time()))
             continue
-        # Nothing to do until the committed state changes, or until copies of other models
-        # are due to be pruned (the one deadline this task keeps).
-        prune_in = math.inf
-        if name is not None and name != pruned_for:
-            prune_in = max(0.0, model_since[1] + PRUNE_AFTER_S - trio.current_time())
-        await view.changed(seen, timeout_s=prune_in)
+        started = trio.current_time()
+        try:
+            await ensure_layers(copier, job.model, (job.start, job.end))
+        except models.ModelError as exc:
+            failure = planner.failed(job, trio.current_time())
+            if failure.report is None:
+                log.warning("epoch %d: cannot fetch layers %d-%d of %s (try %d of %d, again in %.0f s): %s",
+                            job.epoch, job.start, job.end, job.model, failure.tries, policy.attempts_max,
+                            failure.retry_in_s, exc)
+            else:
+                # Like a worker that cannot start: the epoch is reported broken, and the
+                # leader restarts or re-plans it (bounded by dataplane.RESTARTS_MAX).
+                log.error("epoch %d: giving up fetching layers %d-%d of %s after %d tries: %s",
+                          job.epoch, job.start, job.end, job.model, failure.tries, exc)
+                await inbox.put(failure.report)
+            continue  # look again at what is current now
+        took = trio.current_time() - started
+        if took >= 1.0:
+            log.info("epoch %d: fetched layers %d-%d of %s in %.1f s", job.epoch, job.start, job.end, job.model, took)
+        await inbox.put(planner.fetched(job))

@@ -10,6 +10,9 @@ dies (PR_SET_PDEATHSIG); everywhere, rank 0 exits when its stdin closes.
 
 Which workers are wanted comes from the ClusterView (committed, durable state): the
 supervisor reconciles on every new snapshot, and on a period only to catch hung workers.
+What to start, stop or declare hung, and what each event means to the core, is decided by
+core/supervision.py's WorkerBook (sans I/O, also driven by the simulator's fake workers);
+this module owns the processes, their pipes and their files.
 """
 from __future__ import annotations
 
@@ -28,10 +31,8 @@ from p2pmesh.agent.models import model_dir
 from p2pmesh.agent.ports import ClusterView, Inbox
 from p2pmesh.core import dataplane
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.node_io import WorkerCrashed, WorkerLoaded, WorkerOutput
-from p2pmesh.core.messages import WorkerFault
-from p2pmesh.core.protocol import BATCH_REQUESTS_DEFAULT, QUEUE_REQUESTS_DEFAULT, ErrorCode
-from p2pmesh.core.validate import FAULT_MESSAGE_MAX
+from p2pmesh.core.node_io import WorkerLoaded, WorkerOutput
+from p2pmesh.core.protocol import BATCH_REQUESTS_DEFAULT, QUEUE_REQUESTS_DEFAULT
 from p2pmesh.core.mlx_hostfile import (
     MlxConfigError,
     epoch_ports,
@@ -40,37 +41,22 @@ from p2pmesh.core.mlx_hostfile import (
     ring_hostfile,
 )
 from p2pmesh.core.serving import WorkerSubmit
-from p2pmesh.worker import protocol
+from p2pmesh.core.supervision import (  # noqa: F401 - request_outcome: re-exported
+    HEARTBEAT_TIMEOUT_S,
+    PROGRESS_TIMEOUT_S,
+    WatchedWorker,
+    WorkerBook,
+    group_hops,
+    request_outcome,
+)
 
 log = logging.getLogger("p2pmesh.workers")
 
 HANG_CHECK_S = 1.0
 """How often the workers' heartbeats are checked when nothing else wakes the supervisor (a
 worker hangs outside the cluster's knowledge: this period is why it has a timeout)."""
-HEARTBEAT_TIMEOUT_S = 10.0
-"""A worker silent this long is hung (a worker sends one every 0.5 s, from a thread)."""
-PROGRESS_TIMEOUT_S = 120.0
-"""A head with a request that produced nothing for this long is hung inside MLX (a silent
-peer: its heartbeat thread still runs, so heartbeats alone cannot tell). Long, because a
-long prompt's prefill produces nothing for a while; a Mac that dies or sleeps is caught
-much sooner by failure detection, which moves the cluster to a new epoch."""
 STOP_GRACE_S = 3.0
 LINE_BYTES_MAX = 1 << 20
-
-
-def request_outcome(kind: str, worker_code: object) -> tuple[bool, str]:
-    """(broken, client code) for a request's event from its head worker. Only the request's
-    own fault ends it: request_invalid is about the prompt (worker/serve.py: the edge already
-    checked every other field against the same limits, core/protocol.py), busy means the
-    worker's batch and queue are full (the client may retry shortly). Any other error under a
-    request (a peer is gone, or a code we do not know) is the epoch's: the core resumes it."""
-    if kind != "error":
-        return False, ""
-    if worker_code == protocol.BUSY:
-        return False, ErrorCode.BUSY
-    if worker_code == protocol.REQUEST_INVALID:
-        return False, ErrorCode.PROMPT_REFUSED
-    return True, ErrorCode.PROMPT_REFUSED
 
 
 def worker_command(model: str, stages: Any, rank: int, backend: str, config: WorkersConfig) -> list[str]:
@@ -82,21 +68,15 @@ def worker_command(model: str, stages: Any, rank: int, backend: str, config: Wor
 
 @dataclass
 class _Worker:
-    epoch: int
-    rank: int
+    """A running worker process and what the book knows of it."""
+
+    watch: WatchedWorker
     process: trio.Process
-    started: float
-    last_heartbeat: float
-    ready: bool = False
     stdin_lock: trio.Lock = field(default_factory=trio.Lock)
-    pending: set[str] = field(default_factory=set)
-    """Requests handed to this (head) worker and not finished."""
-    progress: float = 0.0
-    """When it last produced output for a request (or was given one while idle)."""
-    order: tuple[NodeId, ...] = ()
-    """The epoch's members in rank order (to name the peer of a fault)."""
-    fault: WorkerFault | None = None
-    """Why it could not form its group, when it said so before exiting."""
+
+    @property
+    def epoch(self) -> int:
+        return self.watch.epoch
 
 
 @dataclass(frozen=True)
@@ -159,10 +139,10 @@ class Supervisor:
         self.view = view
         self.inbox = inbox
         self.config = config
+        self.book = WorkerBook(config.node_id)
+        """What runs, what failed, and what each event means (core/supervision.py)."""
         self.workers: dict[int, _Worker] = {}
-        self.failed: set[int] = set()
-        """Epochs whose worker failed here: not restarted (the group cannot re-form with
-        one new rank); the leader moves the cluster to a new epoch instead."""
+        """epoch -> its process: the ones ``book.workers`` watches."""
 
     # ------------------------------------------------------------------------------
 
@@ -184,24 +164,17 @@ class Supervisor:
         state = self.view.current.state
         if state is None:
             return
-        wanted = {w.epoch: w for w in dataplane.wanted_workers(state, self.config.node_id)}
-        for epoch, w in list(self.workers.items()):
-            if epoch not in wanted:
-                del self.workers[epoch]
-                nursery.start_soon(self._stop, w)
-            elif trio.current_time() - w.last_heartbeat > HEARTBEAT_TIMEOUT_S or (
-                w.pending and trio.current_time() - w.progress > PROGRESS_TIMEOUT_S
-            ):
-                log.warning("worker of epoch %d is hung (no heartbeat for %.0f s or no progress for %.0f s): stopping it",
-                            epoch, HEARTBEAT_TIMEOUT_S, PROGRESS_TIMEOUT_S)
-                del self.workers[epoch]
-                self.failed.add(epoch)
-                nursery.start_soon(self._stop, w)
-                await self.inbox.put(WorkerCrashed(epoch))
-        for epoch, want in wanted.items():
-            if epoch not in self.workers and epoch not in self.failed:
-                hops = state.placement_hops if epoch == state.placement_epoch else state.active_hops
-                await self._start(nursery, want, hops, state.members)
+        moves = self.book.reconcile(state, trio.current_time())
+        for watch in moves.stop:
+            nursery.start_soon(self._stop, self.workers.pop(watch.epoch))
+        for watch in moves.hung:
+            log.warning("worker of epoch %d is hung (no heartbeat for %.0f s or no progress for %.0f s): stopping it",
+                        watch.epoch, HEARTBEAT_TIMEOUT_S, PROGRESS_TIMEOUT_S)
+            nursery.start_soon(self._stop, self.workers.pop(watch.epoch))
+        for crash in moves.crashed:
+            await self.inbox.put(crash)
+        for want in moves.start:
+            await self._start(nursery, want, group_hops(state, want.epoch), state.members)
 
     async def _start(self, nursery: trio.Nursery, want: dataplane.WantedWorker, hops: Any, members: Any) -> None:
         cfg_dir = self.config.state_dir / "workers"
@@ -214,8 +187,7 @@ class Supervisor:
                 launch = group_launch(want, hops, self.config.base_port, members)
             except MlxConfigError as exc:
                 log.warning("cannot start the worker of epoch %d: %s", want.epoch, exc)
-                self.failed.add(want.epoch)
-                await self.inbox.put(WorkerCrashed(want.epoch))
+                await self.inbox.put(self.book.could_not_start(want.epoch))
                 return
             backend = launch.backend
             for name, content in launch.files.items():
@@ -232,8 +204,7 @@ class Supervisor:
             )
         finally:
             log_file.close()
-        now = trio.current_time()
-        worker = _Worker(want.epoch, want.rank, process, now, now, order=tuple(s.node_id for s in want.stages))
+        worker = _Worker(self.book.started(want, trio.current_time()), process)
         self.workers[want.epoch] = worker
         log.info("started the worker of epoch %d: rank %d of %d, layers %s", want.epoch, want.rank, len(stages), stages[want.rank])
         nursery.start_soon(self._read_events, worker)
@@ -257,11 +228,12 @@ class Supervisor:
                 line, buffer = buffer.split(b"\n", 1)
                 await self._event(w, line)
         code = await w.process.wait()
-        if self.workers.get(w.epoch) is w:
-            del self.workers[w.epoch]
-            self.failed.add(w.epoch)
+        crash = self.book.exited(w.watch)
+        if crash is not None:
+            if self.workers.get(w.epoch) is w:
+                del self.workers[w.epoch]
             log.warning("the worker of epoch %d exited with %s", w.epoch, code)
-            await self.inbox.put(WorkerCrashed(w.epoch, w.fault))
+            await self.inbox.put(crash)
 
     async def _event(self, w: _Worker, line: bytes) -> None:
         try:
@@ -270,66 +242,37 @@ class Supervisor:
         except (ValueError, KeyError, TypeError):
             log.debug("worker of epoch %d: not an event: %r", w.epoch, line[:200])
             return
-        w.last_heartbeat = trio.current_time()
-        inbox = self.inbox
-        if kind == "ready":
-            w.ready = True
-            log.info("worker of epoch %d ready (rank %d, loaded in %.2f s)", w.epoch, w.rank, float(event.get("load_s") or 0))
-            await inbox.put(WorkerLoaded(w.epoch))
-        elif kind in ("token", "done", "error") and event.get("id") is not None:
-            req, _, attempt = str(event["id"]).rpartition("@")
-            done = kind != "token"
-            w.progress = trio.current_time()
-            if done:
-                w.pending.discard(str(event["id"]))
-            tokens = (int(event["token"]),) if kind == "token" else ()
-            finish = str(event.get("finish") or ("error" if kind == "error" else ""))
-            text = str(event.get("text") or event.get("message") or "")
-            prompt = tuple(int(t) for t in event.get("prompt_tokens") or ())
-            broken, code = request_outcome(kind, event.get("code"))
-            if broken:
-                log.warning("worker of epoch %d: %s (%s): the request resumes on the next epoch",
-                            w.epoch, event.get("message"), event.get("code"))
-            await inbox.put(WorkerOutput(w.epoch, req, tokens, text, done, finish, prompt,
-                                          int(attempt) if attempt.isdigit() else 0, broken, code))
-        elif kind == "error":
-            w.fault = self._fault(w, event) if not w.ready else None
-            if w.fault is not None:
-                f = w.fault
+        watch = w.watch
+        got = self.book.heard(watch, event, trio.current_time())
+        if isinstance(got, WorkerLoaded):
+            log.info("worker of epoch %d ready (rank %d, loaded in %.2f s)", w.epoch, watch.rank, float(event.get("load_s") or 0))
+        elif isinstance(got, WorkerOutput) and got.broken:
+            log.warning("worker of epoch %d: %s (%s): the request resumes on the next epoch",
+                        w.epoch, event.get("message"), event.get("code"))
+        elif got is None and kind == "error":
+            if watch.fault is not None:
+                f = watch.fault
                 log.warning("worker of epoch %d cannot form its ring: %s (node %s at %s:%d): %s",
                             w.epoch, f.code, f.node_id, f.address, f.port, f.message)
             else:
                 log.warning("worker of epoch %d: %s", w.epoch, event.get("message"))
-
-    def _fault(self, w: _Worker, event: dict[str, Any]) -> WorkerFault | None:
-        """The worker's fault (worker/protocol.py error) with the rank at fault named by its
-        node id, or None when it sent none or a malformed one."""
-        f = event.get("fault")
-        if not isinstance(f, dict):
-            return None
-        code, rank, address, port = f.get("code"), f.get("rank"), f.get("address"), f.get("port")
-        if not (isinstance(code, str) and isinstance(address, str) and type(rank) is int and type(port) is int
-                and 0 <= rank < len(w.order) and 0 <= port <= 65535 and len(code) <= 64 and len(address) <= 256):
-            return None
-        message = str(event.get("message") or "")[:FAULT_MESSAGE_MAX]
-        return WorkerFault(code, w.order[rank], address, port, self.config.node_id, w.epoch, message)
+        if got is not None:
+            await self.inbox.put(got)
 
     async def submit(self, s: WorkerSubmit) -> None:
         """Hand a request to the local head worker of its epoch (rank 0)."""
+        ident = f"{s.req}@{s.attempt}"
         w = self.workers.get(s.epoch)
-        if w is None or w.rank != 0 or w.process.stdin is None:
+        if w is None or w.process.stdin is None or self.book.submit(s.epoch, ident, trio.current_time()) is None:
             # The epoch's head worker is gone (reported as WorkerCrashed): the request waits
             # with its origin for the next epoch, not the client's error.
             log.info("request %s: no head worker for epoch %d here", s.req, s.epoch)
             return
         p = s.params
         line = json.dumps({
-            "op": "generate", "id": f"{s.req}@{s.attempt}", "prompt": p.prompt, "prompt_tokens": list(p.prompt_tokens) or None,
+            "op": "generate", "id": ident, "prompt": p.prompt, "prompt_tokens": list(p.prompt_tokens) or None,
             "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed,
         }).encode() + b"\n"
-        if not w.pending:
-            w.progress = trio.current_time()
-        w.pending.add(f"{s.req}@{s.attempt}")
         async with w.stdin_lock:
             try:
                 await w.process.stdin.send_all(line)
@@ -339,7 +282,7 @@ class Supervisor:
     async def _stop(self, w: _Worker) -> None:
         """Ask a worker to drain and exit; kill it if it does not within the grace time."""
         p = w.process
-        if p.returncode is None and p.stdin is not None and w.rank == 0:
+        if p.returncode is None and p.stdin is not None and w.watch.rank == 0:
             with trio.move_on_after(0.5):
                 try:
                     await p.stdin.send_all(b'{"op": "shutdown"}\n')
