@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from p2pmesh.core.settings import Settings  # noqa: E402
-from p2pmesh.drivers.control import request, stream  # noqa: E402
+from p2pmesh.client import Client  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
 from p2pmesh.agent.models import describe  # noqa: E402
 from tests.agent.harness import AgentProc, control_status, timed_wait, free_port  # noqa: E402
@@ -69,7 +69,7 @@ def one_round(root: Path, model: Path, r: int) -> tuple[float, float, float]:
         for a in agents:
             a.start()
         timed_wait(lambda: all(control_status(a) for a in agents) and len(control_status(agents[0])["members"]) == 3, TIMEOUT_S, "a cluster of 3", 0.1)  # type: ignore[index]
-        request(agents[0].state_dir / "agent.sock", "model", timeout_s=60, name=str(model), context_tokens=CONTEXT)
+        Client(agents[0].state_dir).set_model(model, context_tokens=CONTEXT, timeout=60)
         timed_wait(lambda: serving(agents[0], 2), TIMEOUT_S, "a serving placement", 0.1)
         p = serving(agents[0], 2)
         assert p is not None
@@ -80,7 +80,7 @@ def one_round(root: Path, model: Path, r: int) -> tuple[float, float, float]:
         agents[victim].signal(signal.SIGKILL)
         timed_wait(lambda: serving(observer, 2, not_epoch=p["epoch"]), TIMEOUT_S, "serving again", 0.02)
         back = time.monotonic() - t0
-        list(stream(observer.state_dir / "agent.sock", "generate", prompt="hello there", max_tokens=4))
+        list(Client(observer.state_dir).stream("generate", prompt="hello there", max_tokens=4))
         answered = time.monotonic() - t0
         load = _worker_floor(model)
         return back, answered, load
