@@ -6,7 +6,7 @@
 
 Each benchmark is one of the per-area scripts (scripts/bench_*.py, `python -m sim ...`) run as
 a subprocess with a time limit; the scripts write their raw figures as JSON (`--json FILE`,
-or the last stdout line for `python -m sim`). The report is a pure function of those results
+scripts/benchlib.py's convention, or the last stdout line for `python -m sim`). The report is a pure function of those results
 (`render`), so `--results FILE` saves them and `--render FILE` rewrites the report without
 measuring again. Every figure is set against a baseline measured in the same run where one
 exists, against the issue's target, and against an outside anchor from ../shared/research/.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark real agents in network namespaces (needs root):
 
-    sudo .venv/bin/python scripts/bench_agents.py [--rounds 3]
+    sudo .venv/bin/python scripts/bench_agents.py [--rounds 3] [--json [FILE]]
 
 1. formation: 5 hosts on a full mesh of veth "cables", agents started at once, from process
    start to one committed membership of 5 (mDNS included). Baseline in the same run: the
@@ -15,8 +15,6 @@ Results print as a Markdown table; docs/benchmarks.md records them with this com
 """
 from __future__ import annotations
 
-import argparse
-import json
 import signal
 import statistics
 import sys
@@ -27,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchlib import parser, row, table, write_json  # noqa: E402
 from p2pmesh.drivers.discovery import POLL_S  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
 from tests.agent.harness import AgentProc, control_status, timed_wait  # noqa: E402
@@ -111,9 +110,8 @@ def round_merge(root: Path, key: Path, r: int) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     args = p.parse_args()
     require_root()
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,16 +123,16 @@ def main() -> int:
     med = statistics.median
     answer, formation, failover = med(x[0] for x in ff), med(x[1] for x in ff), med(x[2] for x in ff)
     merge = med(merges)
-    print("| figure (median of %d rounds) | measured | target | baseline in the same run |" % args.rounds)
-    print("|---|---|---|---|")
-    print(f"| 5 agents in namespaces: start to one committed membership of 5 | {formation:.2f} s | <= 3 s | processes answering: {answer:.2f} s (protocol share {formation - answer:.2f} s) |")
-    print(f"| leader SIGKILL to a new leader committing | {failover * 1000:.0f} ms | <= 1000 ms | {failover * 1000 / 300:.2f}x the 300 ms max election timeout |")
-    print(f"| cables plugged between two clusters to one cluster of 4 | {merge:.2f} s | <= 5 s | {merge / POLL_S:.2f}x the {POLL_S:.0f} s interface poll period |")
+    table(f"figure (median of {args.rounds} rounds)", "measured", "target", "baseline in the same run")
+    row("5 agents in namespaces: start to one committed membership of 5", f"{formation:.2f} s", "<= 3 s",
+        f"processes answering: {answer:.2f} s (protocol share {formation - answer:.2f} s)")
+    row("leader SIGKILL to a new leader committing", f"{failover * 1000:.0f} ms", "<= 1000 ms",
+        f"{failover * 1000 / 300:.2f}x the 300 ms max election timeout")
+    row("cables plugged between two clusters to one cluster of 4", f"{merge:.2f} s", "<= 5 s",
+        f"{merge / POLL_S:.2f}x the {POLL_S:.0f} s interface poll period")
     print(f"\nrounds: formation {[round(x[1], 2) for x in ff]}, failover {[round(x[2], 3) for x in ff]}, merge {[round(m, 2) for m in merges]}")
-    if args.json:
-        raw = {"rounds": args.rounds, "answer_s": [x[0] for x in ff], "formation_s": [x[1] for x in ff],
-               "failover_s": [x[2] for x in ff], "merge_s": merges, "poll_s": POLL_S, "election_max_ms": 300}
-        Path(args.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
+    write_json(args.json, {"rounds": args.rounds, "answer_s": [x[0] for x in ff], "formation_s": [x[1] for x in ff],
+                           "failover_s": [x[2] for x in ff], "merge_s": merges, "poll_s": POLL_S, "election_max_ms": 300})
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Continuous batching in one process: the worker's engine batched vs sequential vs mlx-lm.
 
-    .venv/bin/python scripts/bench_batch.py [--model PATH | --hidden 256 --layers 8] [--tokens 64] [--runs 2] [--stages 2]
+    .venv/bin/python scripts/bench_batch.py [--model PATH | --hidden 256 --layers 8] [--tokens 64] [--runs 2] [--stages 2] [--json [FILE]]
 
 The same 8 prompts (different lengths), each with max_tokens = --tokens, greedy, EOS ignored
 so every run produces the same number of tokens:
@@ -11,8 +11,8 @@ so every run produces the same number of tokens:
   (c) mlx_lm.batch_generate of the same prompts (its BatchGenerator);
   (d) mlx-lm's generate_step, one prompt after another (its single-stream speed).
 Aggregate tokens/s = all generated tokens / wall time of the run (prefill included); best of
---runs after a warm-up. Prints a JSON line with the figures and the ratios. Also checks that
-(a) and (b) give the same tokens. A benchmark, not a test: numbers depend on the machine.
+--runs after a warm-up. Prints a table of the figures and the ratios (with --json, the raw
+figures as the last line too, or into FILE). Also checks that (a) and (b) give the same tokens. A benchmark, not a test: numbers depend on the machine.
 Without --model it writes a random llama with scripts/make_tiny_model.py (float32).
 With --stages S (>= 2) it also runs real worker processes (tests/worker/worker_cluster.py)
 over a loopback MLX ring, layers split evenly: the 8 requests sent at once vs one after
@@ -20,7 +20,6 @@ another, tokens/s from the first command to the last done event.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchlib import parser, row, table, write_json  # noqa: E402
 
 WORDS = "Several Macs joined by Thunderbolt cables form one ring and serve a model together".split()
 
@@ -113,7 +114,7 @@ def run_workers(path: Path, layers: int, stages: int, ids: list[list[int]], toke
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", help="a model directory (default: a random llama written here)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
@@ -169,7 +170,16 @@ def main() -> int:
             result["tok_s"].update({k: round(v, 1) for k, v in w.items()})
             result[f"workers_{args.stages}_stages_concurrent_vs_sequential"] = round(
                 w[f"workers_{args.stages}_stages_concurrent"] / w[f"workers_{args.stages}_stages_sequential"], 2)
-        print(json.dumps(result))
+    table(f"{result['prompts']} prompts x {args.tokens} tokens, best of {args.runs}", "tok/s")
+    for key, rate in result["tok_s"].items():
+        row(key, f"{rate:.1f}")
+    print()
+    table("ratio", "value")
+    for key in [k for k in result if "_vs_" in k or k.endswith("_gain")]:
+        row(key, f"{result[key]:.2f}x")
+    print(f"\n{result['model']}: batched {result['batched_vs_sequential']:.2f}x sequential; batched tokens "
+          f"{'equal' if same else 'DIFFER FROM'} the sequential ones")
+    write_json(args.json, result)
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pipeline inference on this machine: decode speed of 2 workers vs 1, and the per-hop latency.
 
-    .venv/bin/python scripts/bench_pipeline.py [--hidden 1024] [--layers 8] [--tokens 64] [--runs 3] [--hops 300]
+    .venv/bin/python scripts/bench_pipeline.py [--hidden 1024] [--layers 8] [--tokens 64] [--runs 3] [--hops 300] [--json [FILE]]
 
 (a) Decode tokens/s of one worker holding the whole model vs a 2-worker pipeline (uneven
     split is not needed here: layers split in half) on a loopback MLX ring, same model,
@@ -35,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchlib import parser, row, table, write_json  # noqa: E402
 
 PROMPT = "Once upon a time there was a small model"
 DEADLINE_S = 600.0
@@ -188,13 +190,12 @@ def bench_tcp(nbytes: int, hops: int) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--hops", type=int, default=300)
-    p.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     p.add_argument("--hop-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tcp-echo", type=int, help=argparse.SUPPRESS)
     p.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
@@ -223,20 +224,18 @@ def main() -> int:
     per_hop = hop_rtt / 2
     print(f"\nModel: llama float32, hidden {a.hidden}, {a.layers} layers, {params / 1e6:.1f} M parameters; "
           f"{a.tokens} greedy tokens per request, best of {a.runs}; {os.cpu_count()} CPUs.\n")
-    print("| measurement | value | target | met |")
-    print("|---|---|---|---|")
-    print(f"| decode, 1 worker (whole model) | {single:.1f} tok/s | | |")
-    print(f"| decode, 2-worker pipeline [0,{a.layers // 2}) [{a.layers // 2},{a.layers}) | {pipe:.1f} tok/s | | |")
-    print(f"| pipeline / single | {ratio:.2f}x | >= 0.9x | {'yes' if ratio >= 0.9 else 'no'} |")
-    print(f"| MLX round trip 0->1->0 of [1,1,{a.hidden}] f32 ({a.hidden * 4} B), median of {a.hops} | {hop_rtt:.0f} µs | | |")
-    print(f"| per-hop activation latency (round trip / 2) | {per_hop:.0f} µs | | |")
-    print(f"| raw TCP round trip, same bytes, same run | {tcp_rtt:.0f} µs | | |")
-    print(f"| one decode step's messages: header + activation 0->1, token 1->0 | {hop['step_us']:.0f} µs | | |")
-    print(f"| per hop / TCP round trip | {per_hop / tcp_rtt:.2f}x | <= 2x | {'yes' if per_hop <= 2 * tcp_rtt else 'no'} |")
-    if a.json:
-        raw = {"hidden": a.hidden, "layers": a.layers, "tokens": a.tokens, "runs": a.runs, "hops": a.hops, "params": params,
-               "single_tok_s": single, "pipeline_tok_s": pipe, "hop_rtt_us": hop_rtt, "step_us": hop["step_us"], "tcp_rtt_us": tcp_rtt}
-        Path(a.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
+    table("measurement", "value", "target", "met")
+    row("decode, 1 worker (whole model)", f"{single:.1f} tok/s", "", "")
+    row(f"decode, 2-worker pipeline [0,{a.layers // 2}) [{a.layers // 2},{a.layers})", f"{pipe:.1f} tok/s", "", "")
+    row("pipeline / single", f"{ratio:.2f}x", ">= 0.9x", "yes" if ratio >= 0.9 else "no")
+    row(f"MLX round trip 0->1->0 of [1,1,{a.hidden}] f32 ({a.hidden * 4} B), median of {a.hops}", f"{hop_rtt:.0f} µs", "", "")
+    row("per-hop activation latency (round trip / 2)", f"{per_hop:.0f} µs", "", "")
+    row("raw TCP round trip, same bytes, same run", f"{tcp_rtt:.0f} µs", "", "")
+    row("one decode step's messages: header + activation 0->1, token 1->0", f"{hop['step_us']:.0f} µs", "", "")
+    row("per hop / TCP round trip", f"{per_hop / tcp_rtt:.2f}x", "<= 2x", "yes" if per_hop <= 2 * tcp_rtt else "no")
+    write_json(a.json, {"hidden": a.hidden, "layers": a.layers, "tokens": a.tokens, "runs": a.runs, "hops": a.hops, "params": params,
+                        "single_tok_s": single, "pipeline_tok_s": pipe, "hop_rtt_us": hop_rtt, "step_us": hop["step_us"],
+                        "tcp_rtt_us": tcp_rtt})
     return 0
 
 

@@ -226,9 +226,9 @@ def main() -> int:
     concurrency_table()
     print()
     fast = solve_times(args.runs, solve_raw)
-    write_json(args.json, {"runs": args.runs, "scenarios": scenario_raw, "solve": solve_raw})
     print()
     print(f"scenario targets {'met' if met else 'NOT met'}; solve time {'within' if fast else 'OVER'} 50 ms at the max")
+    write_json(args.json, {"runs": args.runs, "scenarios": scenario_raw, "solve": solve_raw})
     return 0
 
 

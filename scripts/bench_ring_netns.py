@@ -2,7 +2,7 @@
 """Benchmark: a cable pulled (or plugged back) to a new committed ring, on real agents in
 network namespaces (needs root):
 
-    sudo .venv/bin/python scripts/bench_ring_netns.py [--rounds 5]
+    sudo .venv/bin/python scripts/bench_ring_netns.py [--rounds 5] [--json [FILE]]
 
 Four hosts on one Ethernet switch, cabled in a square with veths marked as Thunderbolt.
 Each round pulls one cable (`ip link set down` on both ends) and measures, through the
@@ -16,8 +16,6 @@ Target (issue 4): cable pulled to a new committed ring <= 1 s.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -27,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchlib import parser, row, table, write_json  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
 from p2pmesh.agent.tasks.links import WATCH_PERIOD_S  # noqa: E402
 from tests.agent.harness import AgentProc, control_status, timed_wait  # noqa: E402
@@ -45,9 +44,8 @@ def ring_of(a: AgentProc) -> dict | None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     args = ap.parse_args()
     require_root()
     root = Path(tempfile.mkdtemp(prefix="p2pmesh-bench-ring-"))
@@ -103,16 +101,13 @@ def main() -> int:
             bench.set_link(cable, up=True)
             timed_wait(lambda: is_square(ring_of(observer)), TIMEOUT_S, "the square ring back", 0.005)
             plugs.append(time.monotonic() - t0)
-        print("| figure | measured (median) | target | baseline in the same run |")
-        print("|---|---|---|---|")
-        print(f"| cable pulled to new committed ring | {statistics.median(pulls) * 1000:.0f} ms | <= 1000 ms "
-              f"| link-watch period {WATCH_PERIOD_S * 1000:.0f} ms; status round trip {statistics.median(rtt_status) * 1000:.1f} ms |")
-        print(f"| cable plugged back to the square ring again | {statistics.median(plugs) * 1000:.0f} ms | (none) | |")
+        table("figure", "measured (median)", "target", "baseline in the same run")
+        row("cable pulled to new committed ring", f"{statistics.median(pulls) * 1000:.0f} ms", "<= 1000 ms",
+            f"link-watch period {WATCH_PERIOD_S * 1000:.0f} ms; status round trip {statistics.median(rtt_status) * 1000:.1f} ms")
+        row("cable plugged back to the square ring again", f"{statistics.median(plugs) * 1000:.0f} ms", "(none)", "")
         print(f"\nrounds: pull {' / '.join(f'{p * 1000:.0f}' for p in pulls)} ms; plug {' / '.join(f'{p * 1000:.0f}' for p in plugs)} ms")
-        if args.json:
-            raw = {"rounds": args.rounds, "pull_s": pulls, "plug_s": plugs, "watch_period_s": WATCH_PERIOD_S,
-                   "status_rtt_s": statistics.median(rtt_status)}
-            Path(args.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
+        write_json(args.json, {"rounds": args.rounds, "pull_s": pulls, "plug_s": plugs, "watch_period_s": WATCH_PERIOD_S,
+                               "status_rtt_s": statistics.median(rtt_status)})
     finally:
         for a in agents:
             a.stop()

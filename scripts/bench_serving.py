@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: back to serving after a Mac is lost, with real agents and MLX workers.
 
-    .venv/bin/python scripts/bench_serving.py [--rounds 3]
+    .venv/bin/python scripts/bench_serving.py [--rounds 3] [--json [FILE]]
 
 Per round: three agents on loopback (127.0.0.2-4), a tiny llama made by
 scripts/make_tiny_model.py, memory limits such that two Macs must share the model (the
@@ -13,8 +13,6 @@ Target (issue 5): back to serving <= 15 s after a node loss, for shards that loa
 """
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import signal
 import statistics
@@ -26,8 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchlib import parser, row, table, write_json  # noqa: E402
 from p2pmesh.core.settings import Settings  # noqa: E402
-from p2pmesh.drivers.control import request, stream  # noqa: E402
+from p2pmesh.client import Client  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
 from p2pmesh.agent.models import describe  # noqa: E402
 from tests.agent.harness import AgentProc, control_status, timed_wait, free_port  # noqa: E402
@@ -69,7 +68,7 @@ def one_round(root: Path, model: Path, r: int) -> tuple[float, float, float]:
         for a in agents:
             a.start()
         timed_wait(lambda: all(control_status(a) for a in agents) and len(control_status(agents[0])["members"]) == 3, TIMEOUT_S, "a cluster of 3", 0.1)  # type: ignore[index]
-        request(agents[0].state_dir / "agent.sock", "model", timeout_s=60, name=str(model), context_tokens=CONTEXT)
+        Client(agents[0].state_dir).set_model(model, context_tokens=CONTEXT, timeout=60)
         timed_wait(lambda: serving(agents[0], 2), TIMEOUT_S, "a serving placement", 0.1)
         p = serving(agents[0], 2)
         assert p is not None
@@ -80,7 +79,7 @@ def one_round(root: Path, model: Path, r: int) -> tuple[float, float, float]:
         agents[victim].signal(signal.SIGKILL)
         timed_wait(lambda: serving(observer, 2, not_epoch=p["epoch"]), TIMEOUT_S, "serving again", 0.02)
         back = time.monotonic() - t0
-        list(stream(observer.state_dir / "agent.sock", "generate", prompt="hello there", max_tokens=4))
+        list(Client(observer.state_dir).stream("generate", prompt="hello there", max_tokens=4))
         answered = time.monotonic() - t0
         load = _worker_floor(model)
         return back, answered, load
@@ -106,9 +105,8 @@ def _worker_floor(model: Path) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="p2pmesh-bench-serving-"))
     model = make_tiny_model(root / "model", family="llama", layers=LAYERS, hidden=512, seed=1)
@@ -117,16 +115,13 @@ def main() -> int:
     answered = statistics.median(x[1] for x in rounds)
     floor = statistics.median(x[2] for x in rounds)
     down = Settings().down_after_ms / 1000
-    print("| figure (median) | measured | target | baseline in the same run |")
-    print("|---|---|---|---|")
-    print(f"| Mac SIGKILLed to serving again (new epoch, all stages up) | {back:.2f} s | <= 15 s "
-          f"| down_after {down:.1f} s; one worker start+load+answer {floor:.2f} s |")
-    print(f"| Mac SIGKILLed to a generation answered | {answered:.2f} s | | |")
+    table("figure (median)", "measured", "target", "baseline in the same run")
+    row("Mac SIGKILLed to serving again (new epoch, all stages up)", f"{back:.2f} s", "<= 15 s",
+        f"down_after {down:.1f} s; one worker start+load+answer {floor:.2f} s")
+    row("Mac SIGKILLed to a generation answered", f"{answered:.2f} s", "", "")
     print("\nrounds: " + " / ".join(f"{b:.2f} s ({a:.2f} s answered)" for b, a, _ in rounds))
-    if args.json:
-        raw = {"rounds": args.rounds, "back_s": [x[0] for x in rounds], "answered_s": [x[1] for x in rounds],
-               "worker_floor_s": [x[2] for x in rounds], "down_after_s": down}
-        Path(args.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
+    write_json(args.json, {"rounds": args.rounds, "back_s": [x[0] for x in rounds], "answered_s": [x[1] for x in rounds],
+                           "worker_floor_s": [x[2] for x in rounds], "down_after_s": down})
     return 0
 
 

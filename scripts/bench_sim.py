@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark the simulator and the membership figures it measures.
 
-    .venv/bin/python scripts/bench_sim.py [--seeds 200] [--workers 2] [--out FILE] [--against REV]
+    .venv/bin/python scripts/bench_sim.py [--seeds 200] [--workers 2] [--out FILE] [--against REV] [--json [FILE]]
 
 Runs one sweep of seeds x 10 simulated seconds, 5 nodes, all faults, and prints (and with
 --out writes as Markdown) the figures as ratios against baselines measured in the same run:
@@ -19,7 +19,6 @@ Runs one sweep of seeds x 10 simulated seconds, 5 nodes, all faults, and prints 
 """
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import os
@@ -27,12 +26,12 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchlib import parser, row_line, table_lines, wall, write_json  # noqa: E402
 from sim.network import LinkProfile  # noqa: E402
 from sim.scenario import Scenario  # noqa: E402
 
@@ -44,12 +43,15 @@ def bare_event_loop_rate(events: int = 300_000) -> float:
     for i in range(64):
         heapq.heappush(queue, (i, i, 0))
         seq += 1
-    started = time.perf_counter()
-    for _ in range(events):
-        t, _, _ = heapq.heappop(queue)
-        seq += 1
-        heapq.heappush(queue, (t + 50, seq, 0))
-    return events / (time.perf_counter() - started)
+
+    def loop() -> None:
+        nonlocal seq
+        for _ in range(events):
+            t, _, _ = heapq.heappop(queue)
+            seq += 1
+            heapq.heappush(queue, (t + 50, seq, 0))
+
+    return events / wall(loop)[1]
 
 
 def sweep(seeds: int, workers: int) -> dict:
@@ -148,12 +150,11 @@ def _p(values: list[float], q: float) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = parser(__doc__)
     p.add_argument("--seeds", type=int, default=200)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--loss-seeds", type=int, default=20)
     p.add_argument("--out", default=None, help="write a Markdown section to this file")
-    p.add_argument("--json", default=None, help="also write the raw figures as JSON to this file (for scripts/bench.py)")
     p.add_argument("--against", default=None, metavar="REV", help="also compare events/s per core with git revision REV")
     p.add_argument("--ab-seeds", type=int, default=20, help="seeds per process in the --against comparison")
     p.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds in the --against comparison")
@@ -189,9 +190,8 @@ def main() -> int:
     ]
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
     lines = [
-        "| figure | measured | target | ratio / anchor |",
-        "|---|---|---|---|",
-        *[f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows],
+        *table_lines("figure", "measured", "target", "ratio / anchor"),
+        *[row_line(*r) for r in rows],
         "",
         f"Machine: {machine}. Sweep command: `{s['command']}` ({s['wall_s']} s wall).",
     ]
@@ -205,11 +205,9 @@ def main() -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
-    if args.json:
-        raw = {"sweep": s, "bare_events_per_s": round(bare), "events_per_s_per_worker": round(per_worker),
-               "loss_runs": loss_runs, "loss_false_downs": loss_bad, "join_ms": joins, "down_ms": downs,
-               "join_ms_loss": joins_l, "down_ms_loss": downs_l, "against": ab}
-        Path(args.json).write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
+    write_json(args.json, {"sweep": s, "bare_events_per_s": round(bare), "events_per_s_per_worker": round(per_worker),
+                           "loss_runs": loss_runs, "loss_false_downs": loss_bad, "join_ms": joins, "down_ms": downs,
+                           "join_ms_loss": joins_l, "down_ms_loss": downs_l, "against": ab})
     same = ab is None or ab["same_events_and_traces"]
     return 0 if s["failures"] == 0 and loss_bad == 0 and same else 1
 

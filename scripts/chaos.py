@@ -24,8 +24,8 @@ a wiped state directory, a spare host joining. Meanwhile:
   taken before any fault, and a generation client streams the same request every 1 to 2 s
   at a live host (not killed, not stopped, not departed). Each one completes with the
   reference's tokens, or fails with a clear error; other tokens are ``generation-wrong``,
-  and an answer that never came within the client's bound (or an error without a message)
-  is ``generation-unclear``. The simulator does not model generations. ``--split N``
+  and an answer that never came within the client's bound (AgentTimeout) is
+  ``generation-unclear``. The simulator does not model generations. ``--split N``
   gives every agent memory for 1/N of the model, so it is placed on N stages and faults
   cut the pipeline between Macs.
 
@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from p2pmesh.cli import netns  # noqa: E402
-from p2pmesh.drivers.control import ControlError, request, stream  # noqa: E402
+from p2pmesh.client import AgentTimeout, Client, P2PMeshError  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
 from sim.chaos_schedule import (  # noqa: E402
     CLIENTS,
@@ -198,6 +198,11 @@ class Chaos:
     def sock(self, host: int) -> Path:
         return self.agents[host].state_dir / "agent.sock"
 
+    def control(self, host: int) -> Client:
+        """The client of ``host``'s agent (its typed errors tell an answer from the client
+        giving up: AgentTimeout)."""
+        return Client(self.sock(host))
+
     def alive(self, host: int) -> bool:
         p = self.agents[host].proc
         return p is not None and p.poll() is None
@@ -221,8 +226,8 @@ class Chaos:
 
     def ask(self, host: int, op: str, timeout_s: float = SAMPLE_TIMEOUT_S, **fields: Any) -> dict[str, Any] | None:
         try:
-            return request(self.sock(host), op, timeout_s=timeout_s, **fields)
-        except (ControlError, ValueError, OSError):
+            return self.control(host).call(op, timeout=timeout_s, **fields)
+        except (P2PMeshError, ValueError, OSError):
             return None
 
     def views(self, hosts: list[int]) -> dict[int, dict[str, Any]]:
@@ -262,9 +267,9 @@ class Chaos:
                 host = self.rng.choice(sorted(self.running))
             invoke = self.now_s()
             try:
-                answer = request(self.sock(host), "members", timeout_s=CLIENT_TIMEOUT_S)
+                answer = self.control(host).call("members", timeout=CLIENT_TIMEOUT_S)
                 op = ReadOp(host, invoke, self.now_s(), view=_view(answer))
-            except ControlError as exc:
+            except P2PMeshError as exc:
                 op = ReadOp(host, invoke, self.now_s(), error=str(exc))
                 kind = re.split(r" \(|;", re.sub(r" at /\S+", "", str(exc)))[0][:80]
                 with self.lock:
@@ -282,12 +287,12 @@ class Chaos:
 
     def generate(self, host: int) -> GenOp:
         """One streamed generation at ``host``, classified: completed, a clear error, or
-        unclear (the client's own bound passed without an answer, or a bare error)."""
+        unclear (the client's own bound passed without an answer, or another exception)."""
         invoke = self.now_s()
         tokens: list[int] = []
         deadline = time.monotonic() + GEN_TOTAL_S
-        events = stream(self.sock(host), "generate", idle_timeout_s=GEN_IDLE_TIMEOUT_S, prompt=GEN_PROMPT,
-                        max_tokens=GEN_MAX_TOKENS, temperature=0.0)
+        events = self.control(host).stream("generate", idle_timeout=GEN_IDLE_TIMEOUT_S, prompt=GEN_PROMPT,
+                                           max_tokens=GEN_MAX_TOKENS, temperature=0.0)
         try:
             for event in events:
                 got = event.get("tokens") or []
@@ -300,13 +305,10 @@ class Chaos:
                     return GenOp(host, invoke, self.now_s(),
                                  unclear=f"no final event within {GEN_TOTAL_S:g} s ({len(tokens)} tokens so far)")
             return GenOp(host, invoke, self.now_s(), unclear="the stream ended without a final event")
-        except ControlError as exc:
-            # stream() turns the socket's timeout into a ControlError: that is the client
-            # giving up on an agent that said nothing, not an error the agent reported.
-            if isinstance(exc.__context__, TimeoutError):
-                return GenOp(host, invoke, self.now_s(), unclear=f"no answer within {GEN_IDLE_TIMEOUT_S:g} s: {exc}")
-            if not str(exc).strip():
-                return GenOp(host, invoke, self.now_s(), unclear="an error without a message")
+        except AgentTimeout as exc:
+            # The client giving up on an agent that said nothing, not an error it reported.
+            return GenOp(host, invoke, self.now_s(), unclear=f"no answer within {GEN_IDLE_TIMEOUT_S:g} s: {exc}")
+        except P2PMeshError as exc:  # the agent's error (by its code), gone, or the stream broke
             return GenOp(host, invoke, self.now_s(), error=str(exc))
         except Exception as exc:  # neither tokens nor a clear error
             return GenOp(host, invoke, self.now_s(), unclear=f"{type(exc).__name__}: {exc}")
@@ -537,8 +539,8 @@ class Chaos:
         # no model layers (always without --model); with a model it hands its layers off first.
         wait_s = LEAVE_WAIT_S if self.model is None else LEAVE_WITH_LAYERS_WAIT_S
         try:
-            return request(self.sock(host), "leave", timeout_s=wait_s)
-        except ControlError as exc:
+            return self.control(host).call("leave", timeout=wait_s)
+        except P2PMeshError as exc:
             print(f"           leave of h{host}: {exc}", flush=True)
             return None
 

@@ -91,13 +91,11 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[
 
 def formed(cluster: Cluster, count: int) -> bool:
     """The running agents form one cluster of `count` members, each hearing a leader."""
-    from p2pmesh.drivers.control import ControlError
-
     statuses = []
     for i, proc in cluster.procs.items():
         try:
             statuses.append(_status_json(cluster, i) if proc.poll() is None else None)
-        except ControlError:
+        except p2pmesh.P2PMeshError:
             statuses.append(None)
     return local_cmd.formed(statuses, count) and all(s is not None and s["healthy"] for s in statuses)
 
@@ -222,9 +220,7 @@ def _verdict(con, reference: p2pmesh.GenerationResult, other: p2pmesh.Generation
 
 
 def _status_json(cluster: Cluster, i: int) -> dict:  # type: ignore[type-arg]
-    from p2pmesh.drivers.control import request
-
-    return request(cluster.socket(i), "status", timeout_s=10.0)["status"]
+    return p2pmesh.Client(cluster.socket(i)).status_object(timeout=10.0)
 
 
 def _node_id(cluster: Cluster, i: int) -> str:

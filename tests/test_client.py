@@ -52,13 +52,13 @@ PUBLIC_API = {
     "Agent",
     "Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "LoadProgress",
     "LoadedModel", "ModelInfo", "GenerationResult", "Event", "EventKind", "fallback_chat_prompt",
-    "P2PMeshError", "AgentNotRunning", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy",
+    "P2PMeshError", "AgentNotRunning", "AgentTimeout", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy",
     "ModelRefused", "ModelDoesNotFit", "ModelCannotLoad", "PlacementProblem",
 }
 VALUES = {"Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "LoadProgress",
           "LoadedModel", "ModelInfo", "GenerationResult", "Event", "PlacementProblem"}
-ERRORS = {"AgentNotRunning", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy", "ModelRefused", "ModelDoesNotFit",
-          "ModelCannotLoad"}
+ERRORS = {"AgentNotRunning", "AgentTimeout", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy", "ModelRefused",
+          "ModelDoesNotFit", "ModelCannotLoad"}
 
 
 @dataclass
@@ -113,11 +113,10 @@ def _cli(*args: str, timeout: float = 60) -> str:
 
 
 def _agent_events(state_dir: Path, max_tokens: int) -> tuple[str, list[int]]:
-    """Text and tokens straight from the agent's generate events (no client API)."""
-    from p2pmesh.drivers.control import stream
-
+    """Text and tokens straight from the agent's generate events (the client's low level,
+    Client.stream: the raw events, not the typed generation under test)."""
     text, tokens = "", []
-    for event in stream(state_dir / "agent.sock", "generate", idle_timeout_s=60, prompt=PROMPT, max_tokens=max_tokens):
+    for event in p2pmesh.Client(state_dir).stream("generate", idle_timeout=60, prompt=PROMPT, max_tokens=max_tokens):
         text += event["text"]
         tokens += event["tokens"]
     return text, tokens

@@ -1,9 +1,11 @@
 """The client operations the CLI uses besides the typed ones (p2pmesh/client/plans.py):
-the status as the agent's JSON object, the model op once (`set_model`), and pairing's
-conversation, each through both clients (sync and async) against a scripted control socket
-that speaks the protocol line by line (drivers/control.py is the real one)."""
+the status as the agent's JSON object, the model op once (`set_model`), pairing's
+conversation, and the low level the tools and tests use for raw ops (`call`, `stream`),
+each through both clients (sync and async) against a scripted control socket that speaks
+the protocol line by line (drivers/control.py is the real one)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -116,3 +118,70 @@ def test_a_pairing_the_agent_cuts_or_refuses_is_a_typed_error(control_sockets: A
         path = control_sockets(talk).path
         for raised in both(path, lambda c: list(c.pair(window=5, answer=lambda e: True)), collect):
             assert type(raised) is kind and words in str(raised), raised
+
+
+def test_call_sends_any_op_and_returns_the_answer_as_sent(control_sockets: Any) -> None:
+    page = {"ok": True, "cluster_id": "c" * 32, "commit": 3, "entries": [[1, 1, "ab"], [2, 1, "cd"]]}
+
+    def talk(r: dict[str, Any], read: Any, send: Any) -> None:
+        if r.get("after", 0) < 0:
+            send(error_answer(ErrorCode.BAD_REQUEST, "log: after and count_max must be non-negative integers"))
+        elif r["op"] == "members":
+            send(error_answer(ErrorCode.NO_QUORUM, "no leader confirmed the read within 5 s; retry"))
+        else:
+            send(page)
+
+    agent = control_sockets(talk)
+    assert both(agent.path, lambda c: c.call("log", after=0, count_max=2),
+                lambda c: c.call("log", timeout=2, after=0, count_max=2)) == [page, page]
+    assert agent.requests == [{"op": "log", "after": 0, "count_max": 2}] * 2  # `timeout` is the client's, not a field
+    for raised in both(agent.path, lambda c: c.call("log", after=-1), lambda c: c.call("log", after=-1)):
+        assert type(raised) is p2pmesh.BadRequest and raised.error_code == "bad_request" and "non-negative" in str(raised)
+    for raised in both(agent.path, lambda c: c.call("members"), lambda c: c.call("members")):
+        assert type(raised) is p2pmesh.NoQuorum and raised.error_code == "no_quorum"
+
+
+def _tokens(r: dict[str, Any], read: Any, send: Any) -> None:
+    """A token-id generation (no prompt text): the events as the agent streams them."""
+    if r["prompt_tokens"] == [1, 99999]:
+        send({"ok": False, "final": True, "finish": "error", "code": "prompt_refused",
+              "error": "token 99999 is outside the model's vocabulary"})
+        return
+    send({"ok": True, "id": "r1", "tokens": [7], "text": "a"})
+    send({"ok": True, "id": "r1", "tokens": [8], "text": "b", "final": True, "finish": "length"})
+
+
+def test_stream_yields_the_raw_events_and_raises_an_error_event_by_its_code(control_sockets: Any) -> None:
+    agent = control_sockets(_tokens)
+
+    async def collect(c: p2pmesh.AsyncClient, tokens: list[int]) -> list[dict[str, Any]]:
+        return [e async for e in c.stream("generate", idle_timeout=5, prompt_tokens=tokens, max_tokens=2)]
+
+    for events in both(agent.path, lambda c: list(c.stream("generate", prompt_tokens=[1, 2], max_tokens=2)),
+                       lambda c: collect(c, [1, 2])):
+        assert [e["tokens"] for e in events] == [[7], [8]] and events[-1]["final"] is True
+    assert agent.requests == [{"op": "generate", "prompt_tokens": [1, 2], "max_tokens": 2}] * 2
+    for raised in both(agent.path, lambda c: list(c.stream("generate", prompt_tokens=[1, 99999])),
+                       lambda c: collect(c, [1, 99999])):
+        assert type(raised) is p2pmesh.BadRequest and raised.error_code == "prompt_refused"
+        assert "outside the model's vocabulary" in str(raised)
+
+
+def test_an_agent_that_goes_silent_is_an_agent_timeout_not_an_answer(control_sockets: Any) -> None:
+    """The client's own bound passing is AgentTimeout (the request's fate unknown), which a
+    tool can tell from any error the agent reported (those carry a code)."""
+    def silent(r: dict[str, Any], read: Any, send: Any) -> None:
+        if r["op"] == "generate":
+            send({"ok": True, "id": "r1", "tokens": [7], "text": "a"})
+        time.sleep(1.0)  # then nothing within the client's bound
+
+    agent = control_sockets(silent)
+
+    async def collect(c: p2pmesh.AsyncClient) -> list[dict[str, Any]]:
+        return [e async for e in c.stream("generate", idle_timeout=0.3, prompt="x")]
+
+    for raised in both(agent.path, lambda c: list(c.stream("generate", idle_timeout=0.3, prompt="x")), collect):
+        assert type(raised) is p2pmesh.AgentTimeout and raised.error_code is None, raised
+        assert isinstance(raised, p2pmesh.AgentError) and "0.3 s" in str(raised)
+    for raised in both(agent.path, lambda c: c.call("status", timeout=0.3), lambda c: c.call("status", timeout=0.3)):
+        assert type(raised) is p2pmesh.AgentTimeout, raised

@@ -7,6 +7,8 @@
 - sim/ imports only p2pmesh.core (and itself): it runs the core, never the drivers.
 - Only the worker package may import MLX.
 - The CLI (p2pmesh/cli/) is the top layer: nothing else in p2pmesh/ or sim/ imports it.
+- drivers/control.py is the agent's side of the control socket: nothing outside
+  p2pmesh/agent imports it (the CLI, scripts/ and tests use p2pmesh/client).
 - The agent's tasks take ports, not the Agent: no module outside agent/runtime.py (and the
   package __init__, which re-exports it) imports the Agent class, even for typing; the one
   program that hosts it in-process (client/embedded.py, `p2pmesh.Agent`) is named below.
@@ -270,9 +272,32 @@ def test_only_the_runtime_names_the_agent_class() -> None:
     assert _imports_the_agent_class(ROOT / "p2pmesh" / "client" / "embedded.py"), "the check sees no import at all"
 
 
-def test_the_cli_and_the_client_talk_to_the_agent_only_through_the_client() -> None:
-    """drivers/control.py is the agent's side of the control socket: the CLI asks the agent
-    through client/ (one set of typed errors), and client/ speaks the protocol itself."""
-    for module, imported in _import_graph().items():
-        if module.startswith(("p2pmesh.cli", "p2pmesh.client")):
-            assert "p2pmesh.drivers.control" not in imported, f"{module} imports p2pmesh.drivers.control: use p2pmesh.client"
+CONTROL_SERVER = "p2pmesh.drivers.control"
+CONTROL_USERS = ("p2pmesh/agent/",)
+"""drivers/control.py is the agent's side of the control socket, and only the agent serves it."""
+
+
+def _names_imported(path: Path) -> set[str]:
+    """Every module a file imports, anywhere in it; `from pkg import name` counts as both
+    pkg and pkg.name (name may be a module)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_only_the_agent_serves_the_control_socket_and_everyone_else_uses_the_client() -> None:
+    """The CLI, programs, the tools in scripts/ and the tests ask an agent through
+    p2pmesh/client (one set of typed errors, `Client.call`/`stream` for raw ops); the client
+    speaks the protocol itself. So nothing outside p2pmesh/agent imports drivers/control."""
+    offenders, users = [], []
+    for folder in ("p2pmesh", "sim", "scripts", "tests"):
+        for path in _modules(folder):
+            where = path.relative_to(ROOT).as_posix()
+            if CONTROL_SERVER in _names_imported(path):
+                (users if where.startswith(CONTROL_USERS) else offenders).append(where)
+    assert not offenders, f"these import {CONTROL_SERVER} (use p2pmesh.client: Client.call / Client.stream): {offenders}"
+    assert users, "the check sees no import at all (the agent's runtime serves the socket)"

@@ -38,9 +38,9 @@ def test_local_starts_a_cluster_and_stops_it(tmp_path: Path) -> None:
         assert len(agents) == 3 and all(set(a) == {"state_dir", "socket", "pid", "http"} for a in agents)
         assert all(Path(a["socket"]).exists() for a in agents)
         pids = [a["pid"] for a in agents]
-        from p2pmesh.drivers.control import request
+        from p2pmesh.client import Client
 
-        status = request(Path(agents[1]["socket"]), "status")["status"]
+        status = Client(Path(agents[1]["socket"])).status_object()
         assert len(status["members"]) == 3
         import urllib.request
 
@@ -85,12 +85,12 @@ def test_local_netns_cables_namespaces_in_a_ring_and_deletes_them(tmp_path: Path
         assert len(agents) == 3 and all(set(a) == {"state_dir", "socket", "pid", "http", "netns"} for a in agents)
         spaces = {a["netns"] for a in agents}
         assert spaces <= set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout.split())
-        from p2pmesh.drivers.control import ControlError, request
+        from p2pmesh.client import Client, P2PMeshError
 
         def ring() -> dict | None:  # type: ignore[type-arg]
             try:
-                r = request(Path(agents[0]["socket"]), "status")["status"].get("ring")
-            except ControlError:
+                r = Client(Path(agents[0]["socket"])).status_object().get("ring")
+            except P2PMeshError:
                 return None
             return r if r and len(r["order"]) == 3 and all(h["kind"] == "thunderbolt" for h in r["hops"]) else None
 

@@ -29,6 +29,7 @@ from p2pmesh.client.embedded import Agent
 from p2pmesh.client.errors import (
     AgentError,
     AgentNotRunning,
+    AgentTimeout,
     BadRequest,
     Busy,
     ModelCannotLoad,
@@ -75,6 +76,7 @@ __all__ = [
     "Agent",
     "AgentError",
     "AgentNotRunning",
+    "AgentTimeout",
     "AsyncClient",
     "AsyncGeneration",
     "BadRequest",

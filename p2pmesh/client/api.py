@@ -12,7 +12,7 @@ from typing import Any, Self
 from p2pmesh.client import plans
 from p2pmesh.client.drivers import AsyncDriver, SyncDriver, locate_socket
 from p2pmesh.client.plans import DEFAULT_CONTEXT_TOKENS, LOAD_TIMEOUT_S, MODEL_TIMEOUT_S, POLL_S, QUORUM_TIMEOUT_S
-from p2pmesh.client.steps import REQUEST_TIMEOUT_S, Decoder, Plan, generation
+from p2pmesh.client.steps import REQUEST_TIMEOUT_S, STREAM_IDLE_TIMEOUT_S, Decoder, Plan, ask_answer, events, generation
 from p2pmesh.client.values import Event, GenerationResult, LoadedModel, LoadProgress, Member, ModelInfo, Placement, Ring
 from p2pmesh.client.values import Status
 from p2pmesh.core.protocol import AgentError
@@ -37,6 +37,10 @@ class _Base:
                    seed: int) -> Plan[dict[str, Any]]:
         fields = plans.generate_fields("", max_tokens, temperature, top_p, seed)
         return plans.chat(messages, fields, self.quorum_timeout, self._model_root)
+
+    @staticmethod
+    def _stream_plan(op: str, idle_timeout: float, fields: dict[str, Any]) -> Plan[None]:
+        return events({"op": op, **fields}, idle_timeout, f"the {op} stream")
 
 
 class _Stream:
@@ -141,6 +145,19 @@ class AsyncClient(_Base):
         one (`paired`, or `error`); `answer(event)` (run in a thread: it may ask a person)
         answers an event with a "question": True only if both Macs show its code."""
         return self._driver().iterate(plans.pair(join, window, answer))
+
+    async def call(self, op: str, *, timeout: float = REQUEST_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
+        """The low level: send the control op `op` with `fields` as one request line and
+        return the agent's answer as the JSON object it sent (ops the typed methods do not
+        offer: `members`, `log`). An error answer raises the typed error of its code."""
+        return await self._driver().run(ask_answer({"op": op, **fields}, timeout))
+
+    def stream(self, op: str, *, idle_timeout: float = STREAM_IDLE_TIMEOUT_S, **fields: Any) -> AsyncIterator[dict[str, Any]]:
+        """The low level of a streaming op (`generate` with fields the typed methods do not
+        offer, e.g. `prompt_tokens`): yields the agent's events as JSON objects until the
+        final one. An error event raises the typed error of its code; `idle_timeout`
+        seconds without an event raise AgentTimeout."""
+        return self._driver().iterate(self._stream_plan(op, idle_timeout, fields))
 
 
 class AsyncGeneration(_Stream):
@@ -253,6 +270,12 @@ class Client(_Base):
     def pair(self, *, window: float, answer: Callable[[dict[str, Any]], bool],
              join: bool = False) -> Iterator[dict[str, Any]]:
         return self._driver().iterate(plans.pair(join, window, answer))
+
+    def call(self, op: str, *, timeout: float = REQUEST_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
+        return self._driver().run(ask_answer({"op": op, **fields}, timeout))
+
+    def stream(self, op: str, *, idle_timeout: float = STREAM_IDLE_TIMEOUT_S, **fields: Any) -> Iterator[dict[str, Any]]:
+        return self._driver().iterate(self._stream_plan(op, idle_timeout, fields))
 
 
 class Generation(_Stream):

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from p2pmesh.client.errors import AgentNotRunning
+from p2pmesh.client.errors import AgentNotRunning, AgentTimeout
 from p2pmesh.client.steps import (
     RECEIVE_BYTES,
     REQUEST_TIMEOUT_S,
@@ -73,8 +73,8 @@ def _not_taken(step: Send, exc: BaseException) -> AgentError:
     return AgentError(f"the agent did not take {step.what}: {exc}")
 
 
-def _silent(step: Receive) -> AgentError:
-    return AgentError(f"the agent sent nothing for {step.timeout_s:g} s ({step.what})")
+def _silent(step: Receive) -> AgentTimeout:
+    return AgentTimeout(f"the agent sent nothing for {step.timeout_s:g} s ({step.what})")
 
 
 def _broke(step: Receive, exc: BaseException) -> AgentError:

@@ -2,7 +2,8 @@
 
 The errors an agent's answer maps to are defined with their codes in core/protocol.py (one
 table: code -> HTTP status -> client error) and re-exported here; AgentNotRunning is the
-client's own (no agent answered at all).
+client's own (no agent answered at all), and so is AgentTimeout (the client's own bound
+passed without a word from the agent).
 """
 from __future__ import annotations
 
@@ -34,9 +35,16 @@ class AgentNotRunning(P2PMeshError):
         self.path = path
 
 
+class AgentTimeout(AgentError):
+    """The agent sent nothing within the client's bound (an idle stream, an unanswered
+    request): the client gave up, so whether the agent carried the request out is unknown.
+    Not an error the agent reported (those have ``error_code``); this one has None."""
+
+
 __all__ = [
     "AgentError",
     "AgentNotRunning",
+    "AgentTimeout",
     "BadRequest",
     "Busy",
     "ModelCannotLoad",

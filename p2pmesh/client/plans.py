@@ -13,8 +13,7 @@ from typing import Any
 
 from p2pmesh.client.chat import chat_prompt, check_messages
 from p2pmesh.client.events import diff
-from p2pmesh.client.steps import EOF_, REQUEST_TIMEOUT_S, Blocking, Clock, Close, Connect, Emit, Lines, Plan, Send, Sleep
-from p2pmesh.client.steps import ask, ask_answer, checked, encode, read_line
+from p2pmesh.client.steps import REQUEST_TIMEOUT_S, Blocking, Clock, Emit, Plan, Sleep, ask, ask_answer, events
 from p2pmesh.client.values import LoadedModel, LoadProgress, ModelInfo, Placement, Status, formed, newest_epoch
 from p2pmesh.client.values import parse_model, parse_status
 from p2pmesh.core import protocol
@@ -243,18 +242,5 @@ def pair(join: bool, window_s: float, answer: Callable[[dict[str, Any]], bool]) 
     JSON objects) until the final one. An event with a "question" is answered, once it was
     emitted, with `answer(event)` (blocking work: it may ask a person): True only for a clear
     yes."""
-    conn = yield Connect()
-    yield Send(conn, encode({"op": "pair", "join": join, "timeout_s": window_s}), "the pair request")
-    lines = Lines()
-    while True:
-        event = yield from read_line(conn, lines, window_s + PAIR_IDLE_GRACE_S, "pairing")
-        if event is EOF_:
-            raise AgentError("the agent closed the pairing before its end (did it stop?)")
-        event = checked(event, "pair")
-        yield Emit(event)
-        if event.get("final"):
-            yield Close(conn)
-            return
-        if event.get("question"):
-            same = yield Blocking(lambda: answer(event))
-            yield Send(conn, encode({"same_code": same is True}), "the answer", best_effort=True)
+    request = {"op": "pair", "join": join, "timeout_s": window_s}
+    yield from events(request, window_s + PAIR_IDLE_GRACE_S, "pairing", answer)

@@ -146,11 +146,12 @@ def _error(answer: dict[str, Any], default: str) -> tuple[ErrorCode, str]:
     return code_of(answer), str(answer.get("error") or default)
 
 
-def checked(answer: Any, op: str) -> dict[str, Any]:
-    """An op's answer, or the typed error its code maps to (core/protocol.ERRORS)."""
+def checked(answer: Any, op: str, *, ok_default: bool = False) -> dict[str, Any]:
+    """An op's answer, or the typed error its code maps to (core/protocol.ERRORS).
+    ``ok_default``: what an answer without "ok" means (a stream's events: success)."""
     if not isinstance(answer, dict):
         raise AgentError(f"the agent answered {op} with something that is not a JSON object")
-    if answer.get("ok"):
+    if answer.get("ok", ok_default):
         return answer
     code, error = _error(answer, "no reason given")
     if code is ErrorCode.UNKNOWN_OP:
@@ -177,6 +178,35 @@ def ask_answer(request: dict[str, Any], timeout_s: float) -> Plan[dict[str, Any]
     answer = yield from ask(request, timeout_s)
     assert answer is not None
     return answer
+
+
+# ----------------------------------------------------------------------------------------
+# A streaming op's events, raw
+
+
+def events(request: dict[str, Any], idle_timeout_s: float, what: str,
+           answer: Callable[[dict[str, Any]], bool] | None = None) -> Plan[None]:
+    """Send one request line, then emit each of the agent's events (its JSON objects, checked:
+    an error event raises the typed error of its code) until the one with "final": true.
+    ``what`` names the stream in errors ("pairing"). An event with a "question" (pairing's
+    code check) is answered, once it was emitted, with ``answer(event)`` (blocking work: it
+    may ask a person): True only for a clear yes."""
+    op = str(request.get("op"))
+    conn = yield Connect()
+    yield Send(conn, encode(request), f"the {op} request")
+    lines = Lines()
+    while True:
+        event = yield from read_line(conn, lines, idle_timeout_s, what)
+        if event is EOF_:
+            raise AgentError(f"the agent closed the {what} before its end (did it stop?)")
+        event = checked(event, op, ok_default=True)
+        yield Emit(event)
+        if event.get("final"):
+            yield Close(conn)
+            return
+        if answer is not None and event.get("question"):
+            same = yield Blocking(lambda: answer(event))
+            yield Send(conn, encode({"same_code": same is True}), "the answer", best_effort=True)
 
 
 # ----------------------------------------------------------------------------------------

@@ -6,19 +6,21 @@ Ops: ``status``, ``model``, ``leave``, ``generate``, ``pair`` (a conversation: t
 user answers the code question on the same connection), and for the chaos tool's history
 (scripts/chaos.py) ``members`` (the committed membership, a linearizable ReadIndex read by
 default) and ``log`` (committed entries as index, term and digest, in bounded pages).
+
+Only the server side lives here: every program, tool and test talks to it through
+p2pmesh/client (its typed methods, or ``Client.call`` / ``Client.stream`` for raw ops).
 """
 from __future__ import annotations
 
 import json
 import os
-import socket as stdsocket
 from pathlib import Path
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
 
-from p2pmesh.core.protocol import ErrorCode, code_of, error_answer, is_number
+from p2pmesh.core.protocol import ErrorCode, error_answer, is_number
 
 REQUEST_BYTES_MAX = 64 * 1024
 REQUEST_TIMEOUT_S = 10.0
@@ -48,15 +50,6 @@ class _Agent(Protocol):
 
     left: trio.Event
     control_active: int
-
-
-class ControlError(Exception):
-    """The agent could not be reached or answered with an error. ``code``: the agent's
-    error code (core/protocol.ErrorCode) when it answered with one, else None."""
-
-    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 async def serve(path: Path, agent: _Agent, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -244,87 +237,3 @@ async def _dispatch(line: bytes, agent: _Agent) -> dict[str, Any]:
             await agent.left.wait()
         return {"ok": True, "left": agent.left.is_set(), **agent.leave_outcome()}
     return error_answer(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
-
-
-# ----------------------------------------------------------------------------------------
-# A bare line client, for tests of the raw protocol (ops and fields the typed client does
-# not offer: members, log, token-id prompts) and the tools in scripts/ (chaos tells an
-# answer from a timeout by it). The CLI and programs use p2pmesh/client instead.
-
-
-def stream(path: Path, op: str, *, idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
-           reply: Callable[[dict[str, Any]], dict[str, Any]] | None = None, **fields: Any) -> Iterator[dict[str, Any]]:
-    """Synchronous client for a streaming op: yields each event until the final one. An
-    event with a "question" (pairing) is answered with ``reply(event)`` after it is yielded."""
-    s = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
-    s.settimeout(idle_timeout_s)
-    try:
-        s.connect(str(path))
-    except OSError as exc:
-        s.close()
-        raise ControlError(f"no agent is running at {path} ({exc.strerror}); start one with `p2pmesh agent`") from None
-    try:
-        s.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
-        buf = b""
-        while True:
-            while b"\n" not in buf:
-                chunk = s.recv(65536)
-                if not chunk:
-                    raise ControlError("the agent closed the stream before the end")
-                buf += chunk
-                if len(buf) > 16 * 1024 * 1024:
-                    raise ControlError("the agent sent an oversized event")
-            line, buf = buf.split(b"\n", 1)
-            try:
-                event = json.loads(line)
-            except ValueError:
-                raise ControlError("the agent sent an unreadable event") from None
-            if not event.get("ok", True):
-                raise ControlError(event.get("error", "the agent refused the request"), code_of(event))
-            yield event
-            if event.get("final"):
-                return
-            if reply is not None and event.get("question"):
-                try:
-                    s.sendall(json.dumps(reply(event)).encode() + b"\n")
-                except OSError:
-                    pass  # the agent already ended the conversation: its last line is still to read
-    except OSError as exc:
-        raise ControlError(f"the agent at {path} stopped answering: {exc}") from None
-    finally:
-        s.close()
-
-
-def request(path: Path, op: str, *, timeout_s: float = 15.0, **fields: Any) -> dict[str, Any]:
-    """Synchronous client for the CLI."""
-    s = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
-    s.settimeout(timeout_s)
-    try:
-        s.connect(str(path))
-    except OSError as exc:
-        raise ControlError(
-            f"no agent is running at {path} ({exc.strerror}); start one with `p2pmesh agent`"
-        ) from None
-    try:
-        s.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-            if len(buf) > 16 * 1024 * 1024:
-                raise ControlError("the agent's answer is too large")
-    except OSError as exc:
-        raise ControlError(f"the agent at {path} did not answer: {exc}") from None
-    finally:
-        s.close()
-    if not buf:
-        raise ControlError(f"the agent at {path} closed the connection without answering (did it stop?)")
-    try:
-        answer = json.loads(buf)
-    except ValueError:
-        raise ControlError(f"the agent at {path} sent an unreadable answer") from None
-    if not answer.get("ok"):
-        raise ControlError(answer.get("error", "the agent refused the request"), code_of(answer))
-    return answer

@@ -110,11 +110,11 @@ def timed_wait(predicate: Callable[[], Any], timeout_s: float, what: str, step_s
 def control_status(agent: AgentProc) -> dict[str, Any] | None:
     """The agent's status straight from its control socket (no CLI process: fast enough to
     poll every few milliseconds), None while it does not answer."""
-    from p2pmesh.drivers.control import ControlError, request
+    from p2pmesh.client import Client, P2PMeshError
 
     try:
-        return request(agent.state_dir / "agent.sock", "status", timeout_s=2.0)["status"]
-    except ControlError:
+        return Client(agent.state_dir / "agent.sock").status_object(timeout=2.0)
+    except P2PMeshError:
         return None
 
 

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from p2pmesh.drivers.control import ControlError, request
+from p2pmesh.client import AgentNotRunning, BadRequest, Client, P2PMeshError
 from tests.agent.harness import AgentProc, free_port, one_cluster, wait_for
 
 FORM_TIMEOUT_S = 30
 
 
 def _ask(agent: AgentProc, op: str, **fields: Any) -> dict[str, Any]:
-    return request(agent.state_dir / "agent.sock", op, timeout_s=8.0, **fields)
+    return Client(agent.state_dir).call(op, timeout=8.0, **fields)
 
 
 @pytest.fixture
@@ -65,10 +65,11 @@ def test_members_and_log_answer_the_committed_state(three: list[AgentProc]) -> N
     assert tail["entries"] == [] or tail["entries"][0][0] == logs[1]["commit"] + 1
     local = _ask(three[1], "members", linearizable=False)
     assert local["cluster_id"] in clusters
-    with pytest.raises(ControlError, match="non-negative integers"):
+    with pytest.raises(BadRequest, match="non-negative integers"):
         _ask(three[0], "log", after=-1)
-    with pytest.raises(ControlError, match="true or false"):
+    with pytest.raises(BadRequest, match="true or false") as err:
         _ask(three[0], "members", linearizable="yes")
+    assert err.value.error_code == "bad_request"
 
 
 def test_a_read_without_a_quorum_fails_with_a_clear_error(three: list[AgentProc]) -> None:
@@ -78,8 +79,9 @@ def test_a_read_without_a_quorum_fails_with_a_clear_error(three: list[AgentProc]
     for a in three[1:]:
         a.signal(signal.SIGSTOP)
     try:
-        with pytest.raises(ControlError, match="leader|changed clusters"):
+        with pytest.raises(P2PMeshError, match="leader|changed clusters") as err:
             _ask(three[0], "members")
+        assert err.value.error_code in ("no_quorum", "retry")  # a retryable NoQuorum, or a retry AgentError
     finally:
         for a in three[1:]:
             a.signal(signal.SIGCONT)
@@ -89,5 +91,6 @@ def test_a_read_without_a_quorum_fails_with_a_clear_error(three: list[AgentProc]
 
 def test_a_killed_agent_is_reported_clearly(three: list[AgentProc]) -> None:
     three[2].kill()
-    with pytest.raises(ControlError, match="no agent is running|closed the connection|did not answer"):
+    with pytest.raises(AgentNotRunning, match="nothing listens") as err:  # its socket stayed behind
         _ask(three[2], "members")
+    assert err.value.path == three[2].state_dir / "agent.sock"

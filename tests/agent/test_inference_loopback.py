@@ -124,11 +124,11 @@ def _set_model(a: AgentProc, model: Path) -> None:
 
 
 def _generate(a: AgentProc, max_tokens: int, on_token: Any = None) -> tuple[list[int], dict[str, Any]]:
-    from p2pmesh.drivers.control import stream
+    from p2pmesh.client import Client
 
     tokens: list[int] = []
     last: dict[str, Any] = {}
-    for event in stream(a.state_dir / "agent.sock", "generate", idle_timeout_s=120, prompt=PROMPT, max_tokens=max_tokens):
+    for event in Client(a.state_dir).stream("generate", idle_timeout=120, prompt=PROMPT, max_tokens=max_tokens):
         tokens += event["tokens"]
         last = event
         if on_token is not None:

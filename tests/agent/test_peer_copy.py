@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from p2pmesh.drivers import model_files
-from p2pmesh.drivers.control import request
+from p2pmesh.client import Client
 from p2pmesh.drivers.files import read_manifest
 from p2pmesh.agent.models import copy_dir
 from tests.agent.harness import ROOT, AgentProc, free_port, make_model, one_cluster, wait_for
@@ -67,7 +67,7 @@ def test_a_model_on_one_mac_is_copied_to_the_others_and_served(tmp_path: Path) -
             a.state_dir.mkdir()
             a.start()
         wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
-        answer = request(agents[0].state_dir / "agent.sock", "model", name=NAME, context_tokens=CONTEXT, timeout_s=60)
+        answer = Client(agents[0].state_dir).call("model", name=NAME, context_tokens=CONTEXT, timeout=60)
         assert answer["ok"], answer
         placement = wait_for(lambda: _serving(agents[0], 1), SERVE_TIMEOUT_S, "a serving placement")
         assert [s["node_id"] for s in placement["stages"]] == [agents[1].status()["node_id"]]  # type: ignore[index]

@@ -185,7 +185,7 @@ def test_a_generation_finishes_identically_whichever_stage_dies(
 def test_a_request_the_worker_refuses_fails_at_once_with_its_reason(cluster: Cluster) -> None:
     """The other half of the rule: the request's own fault (a token outside the model's
     vocabulary, which only the worker can tell) ends it, at once and for good."""
-    from p2pmesh.drivers.control import ControlError, stream
+    from p2pmesh.client import BadRequest, Client
 
     for a in cluster.agents:
         if a.proc is not None and a.proc.poll() is not None:
@@ -193,8 +193,9 @@ def test_a_request_the_worker_refuses_fails_at_once_with_its_reason(cluster: Clu
     roles = cluster.serving_roles()
     for origin in (SPARE, next(iter(roles))):  # asked of a non-holder and of a holder
         start = time.monotonic()
-        with pytest.raises(ControlError, match="outside the model's vocabulary"):
-            for _ in stream(cluster.agents[origin].state_dir / "agent.sock", "generate", idle_timeout_s=60,
-                            prompt_tokens=[1, 99999], max_tokens=4):
+        with pytest.raises(BadRequest, match="outside the model's vocabulary") as err:
+            for _ in Client(cluster.agents[origin].state_dir).stream("generate", idle_timeout=60,
+                                                                     prompt_tokens=[1, 99999], max_tokens=4):
                 pass
+        assert err.value.error_code == "prompt_refused"
         assert time.monotonic() - start < 30  # not held until STALL_MS as a broken epoch would be
