@@ -463,6 +463,8 @@ class Agent:
                 out: dict[str, Any] = {"ok": True, "id": req, "tokens": list(event.tokens), "text": event.text}
                 if event.done:
                     out.update(final=True, finish=event.finish)
+                    if event.ttft_ms is not None:
+                        out.update(ttft_ms=event.ttft_ms)
                     if event.finish == "error":
                         out.update(ok=False, error=event.text, code=event.code or ErrorCode.AGENT_ERROR)
                 yield out

@@ -198,7 +198,7 @@ def _stream(gen: api.Generation, as_json: bool) -> api.GenerationResult | None:
     result = gen.result
     if as_json and result is not None:
         print(json.dumps({"done": True, "request_id": result.request_id, "finish": result.finish,
-                          "tokens": len(result.tokens), "text": result.text}), flush=True)
+                          "tokens": len(result.tokens), "text": result.text, "ttft_s": result.ttft_s}), flush=True)
     elif not as_json:
         print(flush=True)
     return result

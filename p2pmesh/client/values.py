@@ -202,6 +202,9 @@ class GenerationResult:
     tokens: tuple[int, ...]
     finish: str
     """stop (end-of-sequence token) or length (max_tokens reached, or the context is full)."""
+    ttft_s: float | None = None
+    """Time to first token, measured by the agent that took the request: from its arrival to
+    its first token (queueing, prefill and any resume included); None if it produced none."""
 
 
 class EventKind(StrEnum):

@@ -79,6 +79,9 @@ class ClientEvent:
     """"" while streaming; stop, length or error at the end (then ``text`` says why)."""
     code: str = ""
     """With finish "error": the core/protocol.ErrorCode the client gets."""
+    ttft_ms: int | None = None
+    """On the last event of a request that produced tokens: the time from the client's ask
+    to its first token, at this (origin) node, resumes and queueing included."""
 
 
 @dataclass(slots=True)
@@ -103,6 +106,8 @@ class _Origin:
     """When the head last said anything of the current attempt (or when we last asked)."""
     last_request: InferRequest | None = None
     """The current attempt, to ask again after silence."""
+    first_token_ms: int | None = None
+    """When the client's first token arrived here (time to first token, with started_ms)."""
 
 
 @dataclass(slots=True)
@@ -192,12 +197,15 @@ class Router:
         if tokens:
             o.generated.extend(tokens)
             o.progress_ms = now_ms
+            if o.first_token_ms is None:
+                o.first_token_ms = now_ms
         finish = msg.finish
         if not msg.done and len(o.generated) >= o.params.max_tokens:
             finish = "length"  # a resumed request asked only for the rest; stop on our count
         done = msg.done or finish == "length"
+        ttft = o.first_token_ms - o.started_ms if done and o.first_token_ms is not None else None
         self.client.append(ClientEvent(msg.req, tokens, msg.text, done, finish if done else "",
-                                       (msg.code or ErrorCode.AGENT_ERROR) if finish == "error" else ""))
+                                       (msg.code or ErrorCode.AGENT_ERROR) if finish == "error" else "", ttft))
         if done:
             del self.origins[msg.req]
 

@@ -315,3 +315,27 @@ def test_a_broken_pipeline_still_fails_after_stall_ms_without_a_new_epoch() -> N
     origin.tick(None, B, 3, STALL_MS)
     [event] = origin.take()[2]
     assert event.done and event.finish == "error" and "stuck" in event.text and event.code == ErrorCode.STALLED
+
+
+def test_the_last_event_reports_the_time_to_first_token_from_the_ask_across_a_resume() -> None:
+    origin = Router(A)
+    origin.requested("r1", PARAMS, 100)
+    origin.tick(None, B, 3, 100)
+    _requests(origin)
+    origin.on_tokens(InferTokens(B, "r1", 3, (), "", False, "", (1, 2, 3), 1, 0), 150)  # a beacon: no token yet
+    origin.on_tokens(InferTokens(B, "r1", 3, (11,), "x", False, "", (1, 2, 3), 1, 0), 340)
+    origin.tick(None, C, 4, 400)  # B died: resumed on C; the first token stays the one at 340
+    _, _, first = origin.take()
+    origin.on_tokens(InferTokens(C, "r1", 4, (12,), "y", True, "stop", (), 2, 0), 900)
+    _, _, last = origin.take()
+    assert [e.ttft_ms for e in first + last] == [None, 240]  # only the last event carries it
+
+
+def test_a_request_that_produced_no_token_reports_no_time_to_first_token() -> None:
+    origin = Router(A)
+    origin.requested("r1", PARAMS, 0)
+    origin.tick(None, B, 3, 0)
+    _requests(origin)
+    origin.on_tokens(InferTokens(B, "r1", 3, (), "prompt too long", True, "error", (), 1, 0, ErrorCode.PROMPT_REFUSED), 5)
+    [event] = origin.take()[2]
+    assert event.done and event.finish == "error" and event.ttft_ms is None
