@@ -45,6 +45,7 @@ from p2pmesh.core.ids import ClusterId
 from p2pmesh.core.machine import (
     FrameReceived,
     Input,
+    GenerateCancelled,
     GenerateRequested,
     LeaveRequested,
     Machine,
@@ -457,9 +458,12 @@ class Agent:
         req = f"{self.identity.node_id[:8]}-{os.getpid()}-{self._requests}"
         send, receive = trio.open_memory_channel[ClientEvent](CLIENT_EVENTS_MAX)
         self.clients[req] = send
+        asked = finished = False
         try:
             await self.inbox_send.send(GenerateRequested(req, params))
+            asked = True
             async for event in receive:
+                finished = event.done
                 out: dict[str, Any] = {"ok": True, "id": req, "tokens": list(event.tokens), "text": event.text}
                 if event.done:
                     out.update(final=True, finish=event.finish)
@@ -473,6 +477,14 @@ class Agent:
             yield error_answer(ErrorCode.CLIENT_TOO_SLOW, "the client fell too far behind the stream", final=True)
         finally:
             self.clients.pop(req, None)
+            if asked and not finished:
+                # The client hung up (or fell behind): free the request's slot in the head
+                # worker now. No await here (this may run while cancelled); a full inbox
+                # only means the request runs to its end unheard, which is bounded.
+                try:
+                    self.inbox_send.send_nowait(GenerateCancelled(req))
+                except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                    log.info("request %s: could not cancel it (the core's inbox is full or closed)", req)
 
     def status(self) -> dict[str, Any]:
         """Control op `status`: this agent's view (agent/status.py), as of the last Ready

@@ -620,6 +620,19 @@ class InferTokens:
     sends the request again; any other: the request's end, passed to its client)."""
 
 
-Message = RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice | InferRequest | InferTokens
+@register(56)
+@dataclass(frozen=True, slots=True)
+class InferCancel:
+    """The origin's client of a request hung up: the head stops the attempt and frees its
+    worker's slot (a lost one costs only the tokens the worker goes on making: the head's
+    replies to a request its origin forgot are dropped there)."""
+
+    src: NodeId
+    req: str
+    epoch: int
+    attempt: int
+
+
+Message = RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice | InferRequest | InferTokens | InferCancel
 MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
 """Every type that may arrive as a frame on its own (for isinstance checks)."""

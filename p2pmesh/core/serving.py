@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.messages import ClusterState, InferRequest, InferTokens, Message
+from p2pmesh.core.messages import ClusterState, InferCancel, InferRequest, InferTokens, Message
 from p2pmesh.core.protocol import ErrorCode
 
 LOOPBACK_ROUNDS = 8
@@ -65,6 +65,20 @@ class WorkerSubmit:
     req: str
     params: GenerateParams
     attempt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCancel:
+    """Effect: the local worker of ``epoch`` (its rank 0) stops this request and frees its
+    slot (its client hung up)."""
+
+    epoch: int
+    req: str
+    attempt: int
+
+
+WorkerCommand = WorkerSubmit | WorkerCancel
+"""What the router asks of the local head worker (``Ready.submits``), in order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +141,7 @@ class Router:
         self.origins: dict[str, _Origin] = {}
         self.served: dict[str, _Served] = {}
         self.messages: list[tuple[NodeId, Message]] = []
-        self.submits: list[WorkerSubmit] = []
+        self.submits: list[WorkerCommand] = []
         self.client: list[ClientEvent] = []
         self.resumed = 0
         """Times a request was sent again (to a new epoch, after the head answered it is on a
@@ -149,6 +163,25 @@ class Router:
                                            ErrorCode.BUSY))
             return
         self.origins[req] = _Origin(params, now_ms, now_ms)
+
+    def cancelled(self, req: str) -> None:
+        """A local client hung up before its request's end: forget the request here, and
+        tell the head running it, which frees its worker's slot. Nothing more reaches the
+        client (it is gone); a reply still in flight is dropped as one for a request we gave up."""
+        o = self.origins.pop(req, None)
+        if o is not None and o.sent_to is not None:
+            head, epoch = o.sent_to
+            self.messages.append((head, InferCancel(self.me, req, epoch, o.attempt)))
+
+    def on_cancel(self, src: NodeId, msg: InferCancel) -> None:
+        """An origin's client hung up: stop the request if it is the attempt this head runs
+        for that origin (a late cancel of an attempt since replaced is ignored)."""
+        s = self.served.get(msg.req)
+        if s is None or s.origin != src or s.epoch != msg.epoch or s.request.attempt != msg.attempt:
+            return
+        del self.served[msg.req]
+        if s.submitted:
+            self.submits.append(WorkerCancel(s.epoch, msg.req, msg.attempt))
 
     def on_request(self, src: NodeId, msg: InferRequest, state: ClusterState | None) -> None:
         """An origin asks this node, as head, to run a request."""
@@ -294,18 +327,18 @@ class Router:
                 beacon = InferTokens(self.me, req, s.epoch, (), "", False, "", (), s.request.attempt, s.sent)
                 self.messages.append((s.origin, beacon))
 
-    def take(self) -> tuple[list[tuple[NodeId, Message]], list[WorkerSubmit], list[ClientEvent]]:
+    def take(self) -> tuple[list[tuple[NodeId, Message]], list[WorkerCommand], list[ClientEvent]]:
         out = (self.messages, self.submits, self.client)
         self.messages, self.submits, self.client = [], [], []
         return out
 
     def step(self, state: ClusterState | None, head: NodeId | None, epoch: int,
-             now_ms: int) -> tuple[list[tuple[NodeId, Message]], list[WorkerSubmit], list[ClientEvent]]:
+             now_ms: int) -> tuple[list[tuple[NodeId, Message]], list[WorkerCommand], list[ClientEvent]]:
         """Move requests along (``tick``) and collect what to send, submit and tell clients.
         A message to this very node (it is origin and head) is handed straight back in, for at
         most LOOPBACK_ROUNDS rounds."""
         messages: list[tuple[NodeId, Message]] = []
-        submits: list[WorkerSubmit] = []
+        submits: list[WorkerCommand] = []
         client: list[ClientEvent] = []
         self.tick(state, head, epoch, now_ms)
         for _ in range(LOOPBACK_ROUNDS):
@@ -321,6 +354,8 @@ class Router:
                     self.on_request(self.me, m, state)
                 elif isinstance(m, InferTokens):
                     self.on_tokens(m, now_ms)
+                elif isinstance(m, InferCancel):
+                    self.on_cancel(self.me, m)
             self.tick(state, head, epoch, now_ms)
         return messages, submits, client
 

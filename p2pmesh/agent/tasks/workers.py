@@ -39,7 +39,7 @@ from p2pmesh.core.mlx_hostfile import (
     jaccl_devices,
     ring_hostfile,
 )
-from p2pmesh.core.serving import WorkerSubmit
+from p2pmesh.core.serving import WorkerCancel, WorkerCommand
 from p2pmesh.worker import protocol
 
 log = logging.getLogger("p2pmesh.workers")
@@ -314,22 +314,28 @@ class Supervisor:
         message = str(event.get("message") or "")[:FAULT_MESSAGE_MAX]
         return WorkerFault(code, w.order[rank], address, port, self.config.node_id, w.epoch, message)
 
-    async def submit(self, s: WorkerSubmit) -> None:
-        """Hand a request to the local head worker of its epoch (rank 0)."""
+    async def submit(self, s: WorkerCommand) -> None:
+        """Hand a request to the local head worker of its epoch (rank 0), or tell it to stop
+        one whose client hung up (the worker answers that one's end with finish "cancelled")."""
         w = self.workers.get(s.epoch)
         if w is None or w.rank != 0 or w.process.stdin is None:
             # The epoch's head worker is gone (reported as WorkerCrashed): the request waits
             # with its origin for the next epoch, not the client's error.
             log.info("request %s: no head worker for epoch %d here", s.req, s.epoch)
             return
-        p = s.params
-        line = json.dumps({
-            "op": "generate", "id": f"{s.req}@{s.attempt}", "prompt": p.prompt, "prompt_tokens": list(p.prompt_tokens) or None,
-            "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed,
-        }).encode() + b"\n"
-        if not w.pending:
-            w.progress = trio.current_time()
-        w.pending.add(f"{s.req}@{s.attempt}")
+        worker_id = f"{s.req}@{s.attempt}"
+        if isinstance(s, WorkerCancel):
+            log.info("request %s: its client hung up; cancelling it in the worker of epoch %d", s.req, s.epoch)
+            line = json.dumps({"op": "cancel", "id": worker_id}).encode() + b"\n"
+        else:
+            p = s.params
+            line = json.dumps({
+                "op": "generate", "id": worker_id, "prompt": p.prompt, "prompt_tokens": list(p.prompt_tokens) or None,
+                "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed,
+            }).encode() + b"\n"
+            if not w.pending:
+                w.progress = trio.current_time()
+            w.pending.add(worker_id)
         async with w.stdin_lock:
             try:
                 await w.process.stdin.send_all(line)
