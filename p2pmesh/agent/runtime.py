@@ -428,16 +428,21 @@ class Agent:
         """Control op `model`: serve this model (or none), cluster-wide."""
         name = request.get("name")
         context = request.get("context_tokens", DEFAULT_CONTEXT_TOKENS)
+        # By default the cluster serves as many requests at once as this agent's --max-batch.
+        batch = request.get("batch") or self.config.max_batch
         if name is None:
             await self.inbox_send.send(ProposalRequested(SetModel(None)))
             return {"ok": True, "model": None}
         if not isinstance(name, str) or not protocol.is_int(context) or not 1 <= context <= protocol.CONTEXT_TOKENS_MAX:
             return error_answer(ErrorCode.BAD_REQUEST, "model needs a name (path or Hugging Face id) and "
-                                f"1 <= context_tokens <= {protocol.CONTEXT_TOKENS_MAX}")
+                                f"1 <= context_tokens <= {protocol.CONTEXT_TOKENS_MAX}", param="context_tokens")
+        if not protocol.is_int(batch) or not 1 <= batch <= protocol.BATCH_REQUESTS_MAX:
+            return error_answer(ErrorCode.BAD_REQUEST, f"batch (requests served at once) is 1 to {protocol.BATCH_REQUESTS_MAX}",
+                                param="batch")
         local = models.located(name, self.config.model_root)
         try:
             path = await trio.to_thread.run_sync(models.resolve, local)
-            info = await trio.to_thread.run_sync(models.describe, name, path, context)
+            info = await trio.to_thread.run_sync(models.describe, name, path, context, batch)
         except models.ModelError as exc:
             return error_answer(ErrorCode.MODEL_INVALID, str(exc))
         problem = validate.model_problem(info)
@@ -445,7 +450,7 @@ class Agent:
             return error_answer(ErrorCode.MODEL_INVALID, problem)
         await self.inbox_send.send(ProposalRequested(SetModel(info)))
         return {"ok": True, "model": {"name": info.name, "layers": info.layers, "layer_bytes": info.layer_bytes,
-                                      "context_tokens": info.context_tokens}}
+                                      "context_tokens": info.context_tokens, "batch": info.batch}}
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Control op `generate`: stream a generation's tokens (this agent is its origin)."""

@@ -73,11 +73,14 @@ def request_outcome(kind: str, worker_code: object) -> tuple[bool, str]:
     return True, ErrorCode.PROMPT_REFUSED
 
 
-def worker_command(model: str, stages: Any, rank: int, backend: str, config: WorkersConfig) -> list[str]:
-    """The command line of one rank's worker process (worker/serve.py)."""
+def worker_command(model: str, stages: Any, rank: int, backend: str, config: WorkersConfig, batch: int | None = None) -> list[str]:
+    """The command line of one rank's worker process (worker/serve.py): it serves the
+    placement's batch (the requests whose KV cache the placement reserved) at most, and this
+    agent's --max-batch at most."""
+    max_batch = config.max_batch if batch is None else max(1, min(config.max_batch, batch))
     return [sys.executable, "-m", "p2pmesh.worker.serve", "--model", model, "--stages", json.dumps(stages),
             "--rank", str(rank), "--backend", backend,
-            "--max-batch", str(config.max_batch), "--max-queue", str(config.max_queue)]
+            "--max-batch", str(max_batch), "--max-queue", str(config.max_queue)]
 
 
 @dataclass
@@ -224,7 +227,7 @@ class Supervisor:
                 env[launch.file_env[name]] = str(path)
             env.update(launch.env)
         model = model_dir(want.model, self.config.model_root, self.config.state_dir)
-        cmd = worker_command(model, stages, want.rank, backend, self.config)
+        cmd = worker_command(model, stages, want.rank, backend, self.config, want.batch)
         log_file = open(cfg_dir / f"worker-{want.epoch}.log", "ab")  # noqa: SIM115 - owned by the process
         try:
             process = await trio.lowlevel.open_process(
