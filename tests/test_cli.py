@@ -165,6 +165,10 @@ def test_the_head_worker_gets_the_agents_batch_and_queue(tmp_path: Path) -> None
     assert (parsed.max_batch, parsed.max_queue, parsed.rank) == (3, 5, 0)
     default = worker_command("m", [[0, 2]], 0, "ring", WorkersConfig(NodeId("n0"), tmp_path, 47000))
     assert serve.build_parser().parse_args(default[3:]).max_batch == serve.DEFAULT_MAX_BATCH
+    # The placement's batch (the requests its KV cache is reserved for) caps it, and so does the agent's own option.
+    for placed, served in ((2, 2), (8, 3), (1, 1)):
+        cmd = worker_command("m", [[0, 2]], 0, "ring", WorkersConfig(NodeId("n0"), tmp_path, 47000, None, 3, 5), placed)
+        assert serve.build_parser().parse_args(cmd[3:]).max_batch == served
 
 
 def test_load_generate_chat_and_watch(agent: AgentProc, model: Path) -> None:

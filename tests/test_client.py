@@ -341,6 +341,8 @@ def test_the_sync_client_streams_the_same_and_chats_with_the_fallback(cluster: C
         generation = client.generate(PROMPT, max_tokens=24)
         pieces = list(generation)
         assert generation.result is not None and len(pieces) > 1
+        ttft = generation.result.ttft_s  # measured by the agent: under the whole generation's time
+        assert ttft is not None and 0 < ttft < 60
         text, tokens = _agent_events(cluster.first.state_dir, 24)
         assert "".join(pieces) == generation.result.text == text and list(generation.result.tokens) == tokens
 

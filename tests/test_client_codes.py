@@ -114,11 +114,11 @@ def test_an_answer_without_a_known_code_is_a_clear_generic_agent_error(agent_at:
 
 def test_a_generation_streams_the_same_through_both_clients(agent_at: Any) -> None:
     events = [{"ok": True, "id": "r1", "tokens": [1], "text": "a"}, {"ok": True, "id": "r1", "tokens": [], "text": ""},
-              {"ok": True, "id": "r1", "tokens": [2, 3], "text": "bc", "final": True, "finish": "length"}]
+              {"ok": True, "id": "r1", "tokens": [2, 3], "text": "bc", "final": True, "finish": "length", "ttft_ms": 42}]
     path = agent_at(lambda r: [{"ok": True, "status": STATUS}] if r["op"] == "status" else events)
     gen = p2pmesh.Client(path).generate("hi", max_tokens=3)
     assert list(gen) == ["a", "bc"] and list(gen) == []
-    assert gen.result == p2pmesh.GenerationResult("r1", "abc", (1, 2, 3), "length")
+    assert gen.result == p2pmesh.GenerationResult("r1", "abc", (1, 2, 3), "length", 0.042)
 
     async def main() -> tuple[list[str], p2pmesh.GenerationResult | None]:
         agen = p2pmesh.AsyncClient(path).generate("hi", max_tokens=3)

@@ -61,7 +61,7 @@ def read_config(path: Path) -> dict[str, Any]:
         raise ModelError(str(exc)) from None
 
 
-def describe(name: str, path: Path, context_tokens: int) -> ModelInfo:
+def describe(name: str, path: Path, context_tokens: int, batch: int = 1) -> ModelInfo:
     """What the planner needs to know about a model (core/model_spec.py does the sums)."""
     from p2pmesh.core.model_spec import ModelSpecError, model_spec
 
@@ -80,6 +80,7 @@ def describe(name: str, path: Path, context_tokens: int) -> ModelInfo:
         activation_bytes=n.activation_bytes,
         # What the first and last stage hold besides layers (embeddings, head, final norm).
         embed_bytes=n.embed_bytes + n.head_bytes + n.norm_bytes,
+        batch=batch,
     )
 
 

@@ -45,6 +45,7 @@ from p2pmesh.core.ids import ClusterId
 from p2pmesh.core.machine import (
     FrameReceived,
     Input,
+    GenerateCancelled,
     GenerateRequested,
     LeaveRequested,
     Machine,
@@ -427,16 +428,21 @@ class Agent:
         """Control op `model`: serve this model (or none), cluster-wide."""
         name = request.get("name")
         context = request.get("context_tokens", DEFAULT_CONTEXT_TOKENS)
+        # By default the cluster serves as many requests at once as this agent's --max-batch.
+        batch = request.get("batch") or self.config.max_batch
         if name is None:
             await self.inbox_send.send(ProposalRequested(SetModel(None)))
             return {"ok": True, "model": None}
         if not isinstance(name, str) or not protocol.is_int(context) or not 1 <= context <= protocol.CONTEXT_TOKENS_MAX:
             return error_answer(ErrorCode.BAD_REQUEST, "model needs a name (path or Hugging Face id) and "
-                                f"1 <= context_tokens <= {protocol.CONTEXT_TOKENS_MAX}")
+                                f"1 <= context_tokens <= {protocol.CONTEXT_TOKENS_MAX}", param="context_tokens")
+        if not protocol.is_int(batch) or not 1 <= batch <= protocol.BATCH_REQUESTS_MAX:
+            return error_answer(ErrorCode.BAD_REQUEST, f"batch (requests served at once) is 1 to {protocol.BATCH_REQUESTS_MAX}",
+                                param="batch")
         local = models.located(name, self.config.model_root)
         try:
             path = await trio.to_thread.run_sync(models.resolve, local)
-            info = await trio.to_thread.run_sync(models.describe, name, path, context)
+            info = await trio.to_thread.run_sync(models.describe, name, path, context, batch)
         except models.ModelError as exc:
             return error_answer(ErrorCode.MODEL_INVALID, str(exc))
         problem = validate.model_problem(info)
@@ -444,7 +450,7 @@ class Agent:
             return error_answer(ErrorCode.MODEL_INVALID, problem)
         await self.inbox_send.send(ProposalRequested(SetModel(info)))
         return {"ok": True, "model": {"name": info.name, "layers": info.layers, "layer_bytes": info.layer_bytes,
-                                      "context_tokens": info.context_tokens}}
+                                      "context_tokens": info.context_tokens, "batch": info.batch}}
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Control op `generate`: stream a generation's tokens (this agent is its origin)."""
@@ -457,12 +463,17 @@ class Agent:
         req = f"{self.identity.node_id[:8]}-{os.getpid()}-{self._requests}"
         send, receive = trio.open_memory_channel[ClientEvent](CLIENT_EVENTS_MAX)
         self.clients[req] = send
+        asked = finished = False
         try:
             await self.inbox_send.send(GenerateRequested(req, params))
+            asked = True
             async for event in receive:
+                finished = event.done
                 out: dict[str, Any] = {"ok": True, "id": req, "tokens": list(event.tokens), "text": event.text}
                 if event.done:
                     out.update(final=True, finish=event.finish)
+                    if event.ttft_ms is not None:
+                        out.update(ttft_ms=event.ttft_ms)
                     if event.finish == "error":
                         out.update(ok=False, error=event.text, code=event.code or ErrorCode.AGENT_ERROR)
                 yield out
@@ -471,6 +482,14 @@ class Agent:
             yield error_answer(ErrorCode.CLIENT_TOO_SLOW, "the client fell too far behind the stream", final=True)
         finally:
             self.clients.pop(req, None)
+            if asked and not finished:
+                # The client hung up (or fell behind): free the request's slot in the head
+                # worker now. No await here (this may run while cancelled); a full inbox
+                # only means the request runs to its end unheard, which is bounded.
+                try:
+                    self.inbox_send.send_nowait(GenerateCancelled(req))
+                except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                    log.info("request %s: could not cancel it (the core's inbox is full or closed)", req)
 
     def status(self) -> dict[str, Any]:
         """Control op `status`: this agent's view (agent/status.py), as of the last Ready

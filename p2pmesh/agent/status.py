@@ -61,10 +61,14 @@ def placement_json(state: ClusterState) -> dict[str, Any]:
         "model": state.model.name if state.model else None,
         "stages": stages(state.active),
         "serving": bool(state.active) and all(s.node_id in up for s in state.active),
+        # Requests served at once: KV cache is reserved for `batch`; it is below `batch_asked`
+        # only where memory did not allow more (the placement serves fewer rather than refuse).
+        "batch": state.active_batch,
+        "batch_asked": state.model.batch if state.model else 1,
     }
     if state.placement_epoch > state.active_epoch:
         out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), "ready": list(state.ready),
-                          "fetched": list(state.fetched)}
+                          "fetched": list(state.fetched), "batch": state.placement_batch}
     problem = _placement_problem(state)
     if problem is not None:
         out["problem"] = problem.to_json()

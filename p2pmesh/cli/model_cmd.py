@@ -34,6 +34,9 @@ def add_parser(subparsers: Any) -> None:
     load.add_argument("model", help="a local directory in the Hugging Face layout, or a Hugging Face id (org/name)")
     load.add_argument("--context-tokens", type=int, default=api.DEFAULT_CONTEXT_TOKENS,
                       help="context length the KV cache is sized for (default %(default)s)")
+    load.add_argument("--batch", type=_batch, default=None,
+                      help="requests to serve at once: KV cache is reserved for them where memory allows, "
+                           "fewer where it does not (default: the agent's --max-batch)")
     load.add_argument("--timeout", type=float, default=api.LOAD_TIMEOUT_S, help="seconds (default %(default)s)")
     load.add_argument("--json", action="store_true", help="one JSON object per progress step, then the result")
     add_target(load)
@@ -44,6 +47,7 @@ def add_parser(subparsers: Any) -> None:
     mset.add_argument("name")
     mset.add_argument("--context-tokens", type=int, default=api.DEFAULT_CONTEXT_TOKENS,
                       help="context length the KV cache is sized for")
+    mset.add_argument("--batch", type=_batch, default=None, help="requests to serve at once (default: the agent's --max-batch)")
     clear = model_sub.add_parser("clear", help="serve no model")
     for sp in (mset, clear):
         add_target(sp)
@@ -68,6 +72,18 @@ def add_parser(subparsers: Any) -> None:
     add_target(watch)
     for sp in (load, model, gen, chat, watch):
         sp.set_defaults(run=run)
+
+
+def _batch(text: str) -> int:
+    from p2pmesh.core.protocol import BATCH_REQUESTS_MAX
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= BATCH_REQUESTS_MAX:
+        raise argparse.ArgumentTypeError(f"the batch is 1 to {BATCH_REQUESTS_MAX} requests")
+    return value
 
 
 def _sampling(sp: argparse.ArgumentParser) -> None:
@@ -110,16 +126,19 @@ def _load(args: argparse.Namespace, cluster: api.Client) -> int:
             print(json.dumps({"model": p.model, "stage": p.stage, "ready": p.ready, "stages": p.stages,
                               "epoch": p.epoch, "detail": p.detail}), flush=True)
 
-        loaded = cluster.load(args.model, context_tokens=args.context_tokens, timeout=args.timeout, on_progress=report)
+        loaded = cluster.load(args.model, context_tokens=args.context_tokens, timeout=args.timeout, on_progress=report,
+                              batch=args.batch)
         print(json.dumps({"model": loaded.name, "layers": loaded.layers, "layer_bytes": loaded.layer_bytes,
                           "context_tokens": loaded.context_tokens, "epoch": loaded.placement.epoch,
+                          "batch": loaded.placement.batch, "batch_asked": loaded.placement.batch_asked,
                           "stages": [{"node_id": s.node_id, "layers": [s.start, s.end]} for s in loaded.placement.stages]}))
         return EXIT_OK
     with ProgressReport(con, f"loading {args.model}") as bar:
         loaded = cluster.load(args.model, context_tokens=args.context_tokens, timeout=args.timeout,
-                              on_progress=lambda p: bar.update(p.detail, p.ready, p.stages))
+                              on_progress=lambda p: bar.update(p.detail, p.ready, p.stages), batch=args.batch)
     con.print(f"serving {loaded.name}: {loaded.layers} layers on {len(loaded.placement.stages)} "
-              f"stage{'s' if len(loaded.placement.stages) != 1 else ''} (epoch {loaded.placement.epoch})", style="green")
+              f"stage{'s' if len(loaded.placement.stages) != 1 else ''} (epoch {loaded.placement.epoch}), "
+              f"{terminal.batch_words(loaded.placement.batch, loaded.placement.batch_asked)}", style="green")
     for i, s in enumerate(loaded.placement.stages):
         con.print(f"  stage {i}: {terminal.short(s.node_id)} layers {s.start}-{s.end - 1}")
     return EXIT_OK
@@ -164,7 +183,7 @@ def _model(args: argparse.Namespace, cluster: api.Client) -> int:
     # the same op `load` starts with.
     try:
         if args.model_command == "set":
-            model = cluster.set_model(args.name, context_tokens=args.context_tokens)
+            model = cluster.set_model(args.name, context_tokens=args.context_tokens, batch=args.batch)
         else:
             model = cluster.set_model(None)
     except api.P2PMeshError as exc:
@@ -198,7 +217,7 @@ def _stream(gen: api.Generation, as_json: bool) -> api.GenerationResult | None:
     result = gen.result
     if as_json and result is not None:
         print(json.dumps({"done": True, "request_id": result.request_id, "finish": result.finish,
-                          "tokens": len(result.tokens), "text": result.text}), flush=True)
+                          "tokens": len(result.tokens), "text": result.text, "ttft_s": result.ttft_s}), flush=True)
     elif not as_json:
         print(flush=True)
     return result

@@ -88,6 +88,12 @@ def ring_text(ring: dict[str, Any] | None, me: str | None = None) -> Text:
     return t
 
 
+def batch_words(batch: int, asked: int) -> str:
+    """How many requests the placement serves at once, and why fewer than asked."""
+    words = f"{batch} request{'s' if batch != 1 else ''} at once"
+    return words if batch >= asked else f"{words} ({asked} asked: memory holds the KV cache of {batch} only)"
+
+
 def placement_text(placement: dict[str, Any] | None, me: str | None = None) -> Text:
     """The model's layers on the ring: the serving epoch's stages and a loading one."""
     if not placement or not placement.get("model"):
@@ -96,6 +102,9 @@ def placement_text(placement: dict[str, Any] | None, me: str | None = None) -> T
     serving = placement.get("serving")
     t.append(f"  epoch {placement.get('epoch', 0)}  ")
     t.append("serving" if serving else "not serving", style=OK_STYLE if serving else SLOW_STYLE)
+    if placement.get("stages"):
+        batch, asked = int(placement.get("batch") or 1), int(placement.get("batch_asked") or 1)
+        t.append(f"  {batch_words(batch, asked)}", style=SLOW_STYLE if batch < asked else "")
     for i, s in enumerate(placement.get("stages", [])):
         start, end = s["layers"]
         t.append(f"\n  stage {i}: {short(s['node_id'], me)} layers {start}-{end - 1} ({end - start})")

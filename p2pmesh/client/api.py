@@ -106,17 +106,20 @@ class AsyncClient(_Base):
         return st.placement or Placement(0, None, (), False)
 
     async def load(self, model: str | os.PathLike[str], *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-                   timeout: float = LOAD_TIMEOUT_S, on_progress: Callable[[LoadProgress], None] | None = None) -> LoadedModel:
+                   timeout: float = LOAD_TIMEOUT_S, on_progress: Callable[[LoadProgress], None] | None = None,
+                   batch: int | None = None) -> LoadedModel:
         """Serve `model` (a local directory or a Hugging Face id) cluster-wide and wait until
-        it serves. `on_progress` is called with each new LoadProgress."""
-        return await self._driver().run(plans.load(model, context_tokens, timeout, self.quorum_timeout, on_progress))
+        it serves. `on_progress` is called with each new LoadProgress. `batch`: requests to
+        serve at once (KV cache is reserved for them where memory allows); None: the agent's
+        --max-batch."""
+        return await self._driver().run(plans.load(model, context_tokens, timeout, self.quorum_timeout, on_progress, batch))
 
     async def set_model(self, model: str | os.PathLike[str] | None, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-                        timeout: float = MODEL_TIMEOUT_S) -> ModelInfo | None:
+                        timeout: float = MODEL_TIMEOUT_S, batch: int | None = None) -> ModelInfo | None:
         """Ask the cluster to serve `model` (None: no model) and return once the agent
         proposed it, before it commits and long before it serves (`load` waits for that):
         the model as the agent described it, None for no model."""
-        return await self._driver().run(plans.set_model(model, context_tokens, timeout))
+        return await self._driver().run(plans.set_model(model, context_tokens, timeout, batch))
 
     def generate(self, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0) -> AsyncGeneration:
@@ -246,12 +249,13 @@ class Client(_Base):
         return self._driver().run(plans.healthy(self.quorum_timeout)).placement or Placement(0, None, (), False)
 
     def load(self, model: str | os.PathLike[str], *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-             timeout: float = LOAD_TIMEOUT_S, on_progress: Callable[[LoadProgress], None] | None = None) -> LoadedModel:
-        return self._driver().run(plans.load(model, context_tokens, timeout, self.quorum_timeout, on_progress))
+             timeout: float = LOAD_TIMEOUT_S, on_progress: Callable[[LoadProgress], None] | None = None,
+             batch: int | None = None) -> LoadedModel:
+        return self._driver().run(plans.load(model, context_tokens, timeout, self.quorum_timeout, on_progress, batch))
 
     def set_model(self, model: str | os.PathLike[str] | None, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-                  timeout: float = MODEL_TIMEOUT_S) -> ModelInfo | None:
-        return self._driver().run(plans.set_model(model, context_tokens, timeout))
+                  timeout: float = MODEL_TIMEOUT_S, batch: int | None = None) -> ModelInfo | None:
+        return self._driver().run(plans.set_model(model, context_tokens, timeout, batch))
 
     def generate(self, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0) -> Generation:

@@ -235,7 +235,10 @@ class Decoder:
         if text:
             self.pieces.append(text)
         if event.get("final"):
-            self.result = GenerationResult(self.request_id, "".join(self.pieces), tuple(self.tokens), str(event.get("finish", "")))
+            ttft_ms = event.get("ttft_ms")
+            ttft_s = ttft_ms / 1000 if isinstance(ttft_ms, int | float) and not isinstance(ttft_ms, bool) and ttft_ms >= 0 else None
+            self.result = GenerationResult(self.request_id, "".join(self.pieces), tuple(self.tokens), str(event.get("finish", "")),
+                                           ttft_s)
         return text
 
 

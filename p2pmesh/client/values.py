@@ -96,6 +96,8 @@ class PendingPlacement:
     """Members whose worker for this epoch reported ready."""
     fetched: tuple[str, ...] = ()
     """Members that have their stage's model files on disk (workers start once all have)."""
+    batch: int = 1
+    """Requests its head will serve at once (its KV cache reservation)."""
 
     @property
     def ready_count(self) -> int:
@@ -121,6 +123,11 @@ class Placement:
     pending: PendingPlacement | None = None
     problem: PlacementProblem | None = None
     """Why the model cannot be placed (it does not fit, no Mac can load it), else None."""
+    batch: int = 1
+    """Requests the serving epoch's head serves at once: KV cache is reserved for them."""
+    batch_asked: int = 1
+    """What the model asked for (load's batch, or the agent's --max-batch): ``batch`` is
+    less only where memory did not allow more."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,8 @@ class ModelInfo:
     layers: int
     layer_bytes: int
     context_tokens: int
+    batch: int = 1
+    """Requests to serve at once (the placement reserves KV cache for them where it can)."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +211,9 @@ class GenerationResult:
     tokens: tuple[int, ...]
     finish: str
     """stop (end-of-sequence token) or length (max_tokens reached, or the context is full)."""
+    ttft_s: float | None = None
+    """Time to first token, measured by the agent that took the request: from its arrival to
+    its first token (queueing, prefill and any resume included); None if it produced none."""
 
 
 class EventKind(StrEnum):
@@ -279,16 +291,19 @@ def _placement(d: Mapping[str, Any]) -> Placement:
         _stages(d.get("stages")),
         bool(d.get("serving")),
         PendingPlacement(int(pending["epoch"]), _stages(pending.get("stages")), tuple(str(n) for n in pending.get("ready") or ()),
-                         tuple(str(n) for n in pending.get("fetched") or ()))
+                         tuple(str(n) for n in pending.get("fetched") or ()), int(pending.get("batch") or 1))
         if pending else None,
         PlacementProblem.from_json(d["problem"]) if d.get("problem") else None,
+        int(d.get("batch") or 1),
+        int(d.get("batch_asked") or 1),
     )
 
 
 def parse_model(d: Any) -> ModelInfo:
     """The model op's description of the model it accepted."""
     try:
-        return ModelInfo(str(d["name"]), int(d.get("layers", 0)), int(d.get("layer_bytes", 0)), int(d["context_tokens"]))
+        return ModelInfo(str(d["name"]), int(d.get("layers", 0)), int(d.get("layer_bytes", 0)), int(d["context_tokens"]),
+                         int(d.get("batch") or 1))
     except (KeyError, TypeError, ValueError, AttributeError):
         raise AgentError("the agent accepted the model but did not describe it") from None
 

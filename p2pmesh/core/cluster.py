@@ -142,12 +142,13 @@ def _apply_dataplane(
             placement=cmd.stages,
             placement_ring_epoch=cmd.ring_epoch,
             placement_hops=cmd.hops,
+            placement_batch=cmd.batch,
             ready=(),
             fetched=(),
             restarts=state.restarts + 1 if cmd.restart else 0,
         )
         if not cmd.stages:
-            state = _replace(state, active_epoch=cmd.epoch, active=(), active_hops=())
+            state = _replace(state, active_epoch=cmd.epoch, active=(), active_hops=(), active_batch=cmd.batch)
         return state
     if isinstance(cmd, WorkerFailed):
         member = find_member(state, cmd.node_id)
@@ -168,7 +169,8 @@ def _apply_dataplane(
     if cmd.epoch != state.placement_epoch or cmd.epoch <= state.active_epoch:
         return state
     # Serving again: the last fault is history.
-    return _replace(state, active_epoch=cmd.epoch, active=state.placement, active_hops=state.placement_hops, fault=None)
+    return _replace(state, active_epoch=cmd.epoch, active=state.placement, active_hops=state.placement_hops,
+                    active_batch=state.placement_batch, fault=None)
 
 
 def _update_member(m: Member, cmd: Promote | MarkDown | MarkUp | UpdateMember | PublishPorts | PublishMeasure) -> Member:

@@ -43,6 +43,8 @@ class WantedWorker:
     model: str
     stages: tuple[Stage, ...]
     rank: int
+    batch: int = 1
+    """Requests the epoch's head serves at once (its placement's KV reservation)."""
 
 
 def negotiate(state: ClusterState) -> SetPlacement | ActivatePlacement | None:
@@ -50,40 +52,47 @@ def negotiate(state: ClusterState) -> SetPlacement | ActivatePlacement | None:
     pending = state.placement_epoch > state.active_epoch
     if pending and state.placement and all(s.node_id in state.ready for s in state.placement):
         return ActivatePlacement(state.placement_epoch)
-    wanted = _wanted_stages(state)
-    if wanted is None:
+    found = _wanted_stages(state)
+    if found is None:
         return None
+    wanted, batch = found
     hops = pipeline_hops(state, wanted)
     model = state.model.name if state.model else ""
-    if wanted != state.placement or hops != state.placement_hops:
-        return SetPlacement(state.placement_epoch + 1, model, wanted, state.ring_epoch, hops)
+    if wanted != state.placement or hops != state.placement_hops or batch != state.placement_batch:
+        return SetPlacement(state.placement_epoch + 1, model, wanted, state.ring_epoch, hops, batch=batch)
     newest = max(state.active_epoch, state.placement_epoch)
     if wanted and state.failed_epoch >= newest and state.restarts < RESTARTS_MAX:
         # A worker of the newest epoch died with every Mac still up: the group cannot
         # re-form inside its processes, so start the same stages as a new epoch.
-        return SetPlacement(state.placement_epoch + 1, model, wanted, state.ring_epoch, hops, restart=True)
+        return SetPlacement(state.placement_epoch + 1, model, wanted, state.ring_epoch, hops, restart=True, batch=batch)
     return None  # already proposed (pending) or serving as it should
 
 
-def _wanted_stages(state: ClusterState) -> tuple[Stage, ...] | None:
-    """The stages the cluster should serve with; None when it cannot tell yet."""
+def _wanted_stages(state: ClusterState) -> tuple[tuple[Stage, ...], int] | None:
+    """The stages the cluster should serve with, and the batch their KV cache is reserved
+    for; None when it cannot tell yet."""
     model = state.model
     if model is None:
-        return ()
+        return (), 1
     nodes = fit.planned_nodes(state)
     if not nodes:
         # Nobody measured it yet; or nobody can load it at all: then serve nothing, rather
         # than keep a placement of another model (core/fit.py says why).
-        return () if fit.unloadable(state) else None
-    spec = fit.model_spec(model)
+        return ((), 1) if fit.unloadable(state) else None
     links = [Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in physical.cables(state, physical.serving(state))]
     serving = state.active if state.active else state.placement
     current = Plan(tuple(PlanStage(s.node_id, s.start, s.end) for s in serving), 0.0) if serving else None
-    try:
-        plan = solve_placement(spec, nodes, links, current=current, margin=PLACEMENT_MARGIN)
-    except PlacementError:
-        return ()  # fits nowhere: serve nothing (core/fit.py says why)
-    return tuple(Stage(NodeId(s.node_id), s.start, s.end) for s in plan.stages)
+
+    def plan_for(batch: int) -> Plan | None:
+        try:
+            return solve_placement(fit.model_spec(model, batch), nodes, links, current=current, margin=PLACEMENT_MARGIN)
+        except PlacementError:
+            return None
+
+    batch, plan = fit.largest_batch(max(1, model.batch), plan_for)
+    if plan is None:
+        return (), 1  # fits nowhere, even serving one request at a time (core/fit.py says why)
+    return tuple(Stage(NodeId(s.node_id), s.start, s.end) for s in plan.stages), batch
 
 
 def _address_identity(h: RingHop) -> RingHop:
@@ -115,11 +124,12 @@ def wanted_workers(state: ClusterState, me: NodeId) -> list[WantedWorker]:
     only once every stage's files are fetched (``all_fetched``)."""
     out = []
     pending = state.placement if all_fetched(state) else ()
-    for epoch, stages in ((state.active_epoch, state.active), (state.placement_epoch, pending)):
+    for epoch, stages, batch in ((state.active_epoch, state.active, state.active_batch),
+                                 (state.placement_epoch, pending, state.placement_batch)):
         for rank, s in enumerate(stages):
             if s.node_id == me and not any(w.epoch == epoch for w in out):
                 model = state.model.name if state.model else ""
-                out.append(WantedWorker(epoch, model, stages, rank))
+                out.append(WantedWorker(epoch, model, stages, rank, batch))
     return out
 
 

@@ -22,9 +22,9 @@ tests compare it with solve_placement.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from p2pmesh.core.messages import ClusterState, Measure, MeasureFailed, Member, ModelInfo
 from p2pmesh.core.placement import ModelSpec, NodeSpec
@@ -33,10 +33,11 @@ DOES_NOT_FIT = "model_does_not_fit"
 CANNOT_LOAD = "model_cannot_load"
 CODES = (DOES_NOT_FIT, CANNOT_LOAD)
 SEQUENCES = 1
-"""Contexts the placement reserves KV cache for. The worker now batches up to its
---max-batch requests (worker/scheduler.py); reserving KV for that concurrency, and lowering
-the batch where memory is short, is issue 15's and not built yet."""
+"""Contexts a model needs KV cache for to be served at all (one request at a time): the
+verdict here. The placement reserves more, up to the model's ``batch``, where memory allows
+(``largest_batch``), and serves fewer at once rather than refuse."""
 SHORT_ID = 8
+_P = TypeVar("_P")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,16 +106,35 @@ class PlacementProblem:
                    opt(fits.get("context_tokens")), opt(fits.get("extra_mac_bytes")), opt(fits.get("weights_bytes")))
 
 
-def model_spec(info: ModelInfo) -> ModelSpec:
-    """The planner's view of a committed model."""
+def model_spec(info: ModelInfo, sequences: int = SEQUENCES) -> ModelSpec:
+    """The planner's view of a committed model, with KV cache for ``sequences`` contexts."""
     return ModelSpec(
         layers=info.layers,
         layer_bytes=info.layer_bytes,
-        kv_bytes_per_token_per_layer=info.kv_bytes_per_token_per_layer * SEQUENCES,
+        kv_bytes_per_token_per_layer=info.kv_bytes_per_token_per_layer * sequences,
         context_tokens=info.context_tokens,
         activation_bytes=info.activation_bytes,
         embed_bytes=info.embed_bytes,
     )
+
+
+def largest_batch(asked: int, plan_for: Callable[[int], _P | None]) -> tuple[int, _P | None]:
+    """The largest batch in [1, asked] that ``plan_for`` places (None: it does not), and its
+    plan; (1, None) when not even one request at a time fits. Fitting is monotone in the
+    batch (more KV cache per layer never fits better), so a bisection finds it: at most
+    log2(asked) + 1 plans, and one when the asked batch fits."""
+    best = plan_for(asked)
+    if best is not None or asked <= 1:
+        return asked, best
+    low, high, found = 1, asked - 1, None  # the answer is in [low, high], or nothing fits
+    while low <= high:
+        mid = (low + high + 1) // 2
+        plan = plan_for(mid)
+        if plan is None:
+            high = mid - 1
+        else:
+            found, low = (mid, plan), mid + 1
+    return found if found is not None else (1, None)
 
 
 def _candidates(state: ClusterState) -> list[Member]:

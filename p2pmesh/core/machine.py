@@ -46,6 +46,7 @@ from p2pmesh.core.messages import (
     Header,
     Hello,
     JoinReply,
+    InferCancel,
     InferRequest,
     InferTokens,
     JoinRequest,
@@ -65,6 +66,7 @@ from p2pmesh.core.node_io import (  # the machine's inputs and outputs, importab
     AddressesChanged,
     ClusterEvent,
     FrameReceived,
+    GenerateCancelled,
     GenerateRequested,
     LEFT,
     MEMBER,
@@ -289,6 +291,7 @@ class Machine:
             StageFilesFetched: self._on_fetched,
             WorkerLoaded: self._on_loaded,
             GenerateRequested: self._on_generate,
+            GenerateCancelled: lambda event, now_ms: self.router.cancelled(event.req),
             WorkerOutput: self._on_worker_output,
             WorkerCrashed: self._on_worker_crashed,
             LeaveRequested: self._on_leave,
@@ -390,10 +393,10 @@ class Machine:
             self._on_join_reply(msg)
         elif isinstance(msg, RemovalNotice):
             self._on_removal_notice(peer, msg, now_ms)
-        elif isinstance(msg, (InferRequest, InferTokens)):
+        elif isinstance(msg, (InferRequest, InferTokens, InferCancel)):
             self._on_infer(peer, msg, now_ms)
 
-    def _on_infer(self, peer: NodeId, msg: InferRequest | InferTokens, now_ms: int) -> None:
+    def _on_infer(self, peer: NodeId, msg: InferRequest | InferTokens | InferCancel, now_ms: int) -> None:
         r = self.raft
         # Authenticated peers only reach us at all; also accept a Mac that joined so recently
         # that this node has not applied its membership yet (it knows it from discovery).
@@ -402,6 +405,8 @@ class Machine:
             return
         if isinstance(msg, InferRequest):
             self.router.on_request(peer, msg, r.state)
+        elif isinstance(msg, InferCancel):
+            self.router.on_cancel(peer, msg)
         else:
             self.router.on_tokens(msg, now_ms)
 

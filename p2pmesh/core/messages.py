@@ -104,6 +104,9 @@ class ModelInfo:
     context_tokens: int
     activation_bytes: int
     embed_bytes: int
+    batch: int = 1
+    """Requests the cluster should serve at once: the placement reserves KV cache for this
+    many contexts where memory allows, fewer where it does not (1 in records older than it)."""
 
 
 @register(9)
@@ -289,6 +292,9 @@ class SetPlacement:
     of the epoch renders its MLX hostfile from: fixed here so all render the same one."""
     restart: bool = False
     """The same stages again, because a worker of the previous epoch failed."""
+    batch: int = 1
+    """Requests its head serves at once: the most, up to the model's ``batch``, whose KV
+    cache fits beside the layers (core/dataplane.py)."""
 
 
 @register(28)
@@ -407,6 +413,10 @@ class ClusterState:
     """Members whose files for placement_epoch's stage are on their disk (StageFetched)."""
     fault: WorkerFault | None = None
     """Why the newest failed epoch's group could not form (until an epoch serves again)."""
+    placement_batch: int = 1
+    """The pending (newest) placement's batch (SetPlacement.batch)."""
+    active_batch: int = 1
+    """The serving epoch's batch."""
 
 
 @register(22)
@@ -620,6 +630,19 @@ class InferTokens:
     sends the request again; any other: the request's end, passed to its client)."""
 
 
-Message = RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice | InferRequest | InferTokens
+@register(56)
+@dataclass(frozen=True, slots=True)
+class InferCancel:
+    """The origin's client of a request hung up: the head stops the attempt and frees its
+    worker's slot (a lost one costs only the tokens the worker goes on making: the head's
+    replies to a request its origin forgot are dropped there)."""
+
+    src: NodeId
+    req: str
+    epoch: int
+    attempt: int
+
+
+Message = RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice | InferRequest | InferTokens | InferCancel
 MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
 """Every type that may arrive as a frame on its own (for isinstance checks)."""

@@ -144,6 +144,13 @@ class GenerateRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class GenerateCancelled:
+    """The local client of a request went away before its end (it hung up): stop it."""
+
+    req: str
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerOutput:
     """The local head worker of ``epoch`` streamed tokens (or finished) for a request."""
 
@@ -188,6 +195,7 @@ Input = (
     | WorkerLoaded
     | StageFilesFetched
     | GenerateRequested
+    | GenerateCancelled
     | WorkerOutput
     | WorkerCrashed
 )

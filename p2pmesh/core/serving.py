@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.messages import ClusterState, InferRequest, InferTokens, Message
+from p2pmesh.core.messages import ClusterState, InferCancel, InferRequest, InferTokens, Message
 from p2pmesh.core.protocol import ErrorCode
 
 LOOPBACK_ROUNDS = 8
@@ -68,6 +68,20 @@ class WorkerSubmit:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerCancel:
+    """Effect: the local worker of ``epoch`` (its rank 0) stops this request and frees its
+    slot (its client hung up)."""
+
+    epoch: int
+    req: str
+    attempt: int
+
+
+WorkerCommand = WorkerSubmit | WorkerCancel
+"""What the router asks of the local head worker (``Ready.submits``), in order."""
+
+
+@dataclass(frozen=True, slots=True)
 class ClientEvent:
     """Effect: tokens (or the end) of a request this node's client asked for."""
 
@@ -79,6 +93,9 @@ class ClientEvent:
     """"" while streaming; stop, length or error at the end (then ``text`` says why)."""
     code: str = ""
     """With finish "error": the core/protocol.ErrorCode the client gets."""
+    ttft_ms: int | None = None
+    """On the last event of a request that produced tokens: the time from the client's ask
+    to its first token, at this (origin) node, resumes and queueing included."""
 
 
 @dataclass(slots=True)
@@ -103,6 +120,8 @@ class _Origin:
     """When the head last said anything of the current attempt (or when we last asked)."""
     last_request: InferRequest | None = None
     """The current attempt, to ask again after silence."""
+    first_token_ms: int | None = None
+    """When the client's first token arrived here (time to first token, with started_ms)."""
 
 
 @dataclass(slots=True)
@@ -122,7 +141,7 @@ class Router:
         self.origins: dict[str, _Origin] = {}
         self.served: dict[str, _Served] = {}
         self.messages: list[tuple[NodeId, Message]] = []
-        self.submits: list[WorkerSubmit] = []
+        self.submits: list[WorkerCommand] = []
         self.client: list[ClientEvent] = []
         self.resumed = 0
         """Times a request was sent again (to a new epoch, after the head answered it is on a
@@ -144,6 +163,25 @@ class Router:
                                            ErrorCode.BUSY))
             return
         self.origins[req] = _Origin(params, now_ms, now_ms)
+
+    def cancelled(self, req: str) -> None:
+        """A local client hung up before its request's end: forget the request here, and
+        tell the head running it, which frees its worker's slot. Nothing more reaches the
+        client (it is gone); a reply still in flight is dropped as one for a request we gave up."""
+        o = self.origins.pop(req, None)
+        if o is not None and o.sent_to is not None:
+            head, epoch = o.sent_to
+            self.messages.append((head, InferCancel(self.me, req, epoch, o.attempt)))
+
+    def on_cancel(self, src: NodeId, msg: InferCancel) -> None:
+        """An origin's client hung up: stop the request if it is the attempt this head runs
+        for that origin (a late cancel of an attempt since replaced is ignored)."""
+        s = self.served.get(msg.req)
+        if s is None or s.origin != src or s.epoch != msg.epoch or s.request.attempt != msg.attempt:
+            return
+        del self.served[msg.req]
+        if s.submitted:
+            self.submits.append(WorkerCancel(s.epoch, msg.req, msg.attempt))
 
     def on_request(self, src: NodeId, msg: InferRequest, state: ClusterState | None) -> None:
         """An origin asks this node, as head, to run a request."""
@@ -192,12 +230,15 @@ class Router:
         if tokens:
             o.generated.extend(tokens)
             o.progress_ms = now_ms
+            if o.first_token_ms is None:
+                o.first_token_ms = now_ms
         finish = msg.finish
         if not msg.done and len(o.generated) >= o.params.max_tokens:
             finish = "length"  # a resumed request asked only for the rest; stop on our count
         done = msg.done or finish == "length"
+        ttft = o.first_token_ms - o.started_ms if done and o.first_token_ms is not None else None
         self.client.append(ClientEvent(msg.req, tokens, msg.text, done, finish if done else "",
-                                       (msg.code or ErrorCode.AGENT_ERROR) if finish == "error" else ""))
+                                       (msg.code or ErrorCode.AGENT_ERROR) if finish == "error" else "", ttft))
         if done:
             del self.origins[msg.req]
 
@@ -286,18 +327,18 @@ class Router:
                 beacon = InferTokens(self.me, req, s.epoch, (), "", False, "", (), s.request.attempt, s.sent)
                 self.messages.append((s.origin, beacon))
 
-    def take(self) -> tuple[list[tuple[NodeId, Message]], list[WorkerSubmit], list[ClientEvent]]:
+    def take(self) -> tuple[list[tuple[NodeId, Message]], list[WorkerCommand], list[ClientEvent]]:
         out = (self.messages, self.submits, self.client)
         self.messages, self.submits, self.client = [], [], []
         return out
 
     def step(self, state: ClusterState | None, head: NodeId | None, epoch: int,
-             now_ms: int) -> tuple[list[tuple[NodeId, Message]], list[WorkerSubmit], list[ClientEvent]]:
+             now_ms: int) -> tuple[list[tuple[NodeId, Message]], list[WorkerCommand], list[ClientEvent]]:
         """Move requests along (``tick``) and collect what to send, submit and tell clients.
         A message to this very node (it is origin and head) is handed straight back in, for at
         most LOOPBACK_ROUNDS rounds."""
         messages: list[tuple[NodeId, Message]] = []
-        submits: list[WorkerSubmit] = []
+        submits: list[WorkerCommand] = []
         client: list[ClientEvent] = []
         self.tick(state, head, epoch, now_ms)
         for _ in range(LOOPBACK_ROUNDS):
@@ -313,6 +354,8 @@ class Router:
                     self.on_request(self.me, m, state)
                 elif isinstance(m, InferTokens):
                     self.on_tokens(m, now_ms)
+                elif isinstance(m, InferCancel):
+                    self.on_cancel(self.me, m)
             self.tick(state, head, epoch, now_ms)
         return messages, submits, client
 

@@ -141,12 +141,17 @@ class WorkerBook:
         self.failed.add(w.epoch)
         return WorkerCrashed(w.epoch, w.fault)
 
+    def head(self, epoch: int) -> WatchedWorker | None:
+        """The epoch's head worker here (rank 0), None when this node runs none."""
+        w = self.workers.get(epoch)
+        return w if w is not None and w.rank == 0 else None
+
     def submit(self, epoch: int, ident: str, now: float) -> WatchedWorker | None:
         """A request ``ident`` (``req@attempt``) goes to the epoch's head worker here: the
         head, now holding it; None when this node runs no head of that epoch (it is gone,
         reported as WorkerCrashed: the request waits with its origin for the next epoch)."""
-        w = self.workers.get(epoch)
-        if w is None or w.rank != 0:
+        w = self.head(epoch)
+        if w is None:
             return None
         if not w.pending:
             w.progress = now

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from p2pmesh.core.protocol import BATCH_REQUESTS_MAX
 from p2pmesh.core.messages import (
     AppendEntries,
     Capabilities,
@@ -177,6 +178,8 @@ def model_problem(m: ModelInfo) -> str | None:
     numbers = (m.layer_bytes, m.kv_bytes_per_token_per_layer, m.context_tokens, m.activation_bytes, m.embed_bytes)
     if min(numbers) < 0 or m.context_tokens < 1 or m.layer_bytes < 1:
         return "model sizes must be positive (context_tokens and layer_bytes at least 1)"
+    if not 1 <= m.batch <= BATCH_REQUESTS_MAX:
+        return f"a model's batch (requests served at once) is 1 to {BATCH_REQUESTS_MAX}"
     return None
 
 

@@ -6,7 +6,9 @@ and parse events with the same definitions. docs/inference.md has the full contr
 
 stdout (one JSON object per line, every rank):
   {"event": "ready", "rank": r, "layers": [s, e], "load_s": t}
-  {"event": "heartbeat", "rank": r, "t": unix_seconds}            every 0.5 s, from a thread
+  {"event": "heartbeat", "rank": r, "t": unix_seconds}            every 0.5 s, from a thread;
+                                 rank 0's also has "running", "queued" (requests in its batch
+                                 and waiting for a place) and "tokens" (generated since it started)
   {"event": "error", "id": id?, "code": c, "message": m}           "id" only for a request's error
 rank 0 only:
   {"event": "token", "id": id, "token": int, "text": "incremental text"}   the first also has
@@ -155,14 +157,27 @@ _is_int = limits_.is_int
 _is_number = limits_.is_number
 
 
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Rank 0's batch as its heartbeat reports it."""
+
+    running: int = 0
+    queued: int = 0
+    tokens: int = 0
+    """Tokens generated since the worker started (a counter: the agent takes rates from it)."""
+
+
 # Events. Plain dicts: the writer adds nothing but a newline.
 
 def ready(rank: int, layers: tuple[int, int], load_s: float) -> dict[str, Any]:
     return {"event": "ready", "rank": rank, "layers": list(layers), "load_s": round(load_s, 3)}
 
 
-def heartbeat(rank: int, t: float) -> dict[str, Any]:
-    return {"event": "heartbeat", "rank": rank, "t": round(t, 3)}
+def heartbeat(rank: int, t: float, load: Load | None = None) -> dict[str, Any]:
+    event: dict[str, Any] = {"event": "heartbeat", "rank": rank, "t": round(t, 3)}
+    if load is not None:
+        event.update(running=load.running, queued=load.queued, tokens=load.tokens)
+    return event
 
 
 def token(request_id: str, token_id: int, text: str, prompt_tokens: list[int] | None = None) -> dict[str, Any]:

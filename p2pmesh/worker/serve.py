@@ -60,9 +60,20 @@ class Emitter:
             self._out.flush()
 
 
-def start_heartbeat(emitter: Emitter, rank: int) -> threading.Event:
-    """Heartbeats every HEARTBEAT_S until the returned event is set. If stdout is gone the
-    agent is gone: the worker exits (nothing else would end a rank idling in MLX's recv)."""
+class LoadBoard:
+    """Rank 0's batch load, written by the command loop and read by the heartbeat thread
+    (one attribute holding an immutable value: a read never sees half an update)."""
+
+    def __init__(self) -> None:
+        from p2pmesh.worker import protocol
+
+        self.value = protocol.Load()
+
+
+def start_heartbeat(emitter: Emitter, rank: int, board: LoadBoard | None = None) -> threading.Event:
+    """Heartbeats every HEARTBEAT_S until the returned event is set (rank 0's with its batch
+    load). If stdout is gone the agent is gone: the worker exits (nothing else would end a
+    rank idling in MLX's recv)."""
     from p2pmesh.worker import protocol
 
     stop = threading.Event()
@@ -70,7 +81,7 @@ def start_heartbeat(emitter: Emitter, rank: int) -> threading.Event:
     def beat() -> None:
         while not stop.wait(HEARTBEAT_S):
             try:
-                emitter.emit(protocol.heartbeat(rank, time.time()))
+                emitter.emit(protocol.heartbeat(rank, time.time(), board.value if board is not None else None))
             except (OSError, ValueError):
                 os._exit(EXIT_FAILED)
 
@@ -145,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--prefill-chunk must be >= 1")
     except ValueError as e:
         return _fail(emitter, EXIT_USAGE, str(e))
-    heartbeat_stop = start_heartbeat(emitter, args.rank)
+    board = LoadBoard() if args.rank == 0 else None
+    heartbeat_stop = start_heartbeat(emitter, args.rank, board)
     try:
-        return _run(args, stages, emitter)
+        return _run(args, stages, emitter, board)
     finally:
         heartbeat_stop.set()
 
@@ -170,7 +182,7 @@ def _fail(emitter: Emitter, code: int, message: str, request_ids: list[str] | No
     return code
 
 
-def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitter) -> int:
+def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitter, board: LoadBoard | None) -> int:
     import mlx.core as mx
 
     from p2pmesh.worker import protocol
@@ -232,7 +244,8 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
             scheduler = Scheduler(args.max_batch, args.max_queue, args.prefill_chunk or PREFILL_CHUNK,
                                   args.micro_batches or size)
             context = int(config.get("text_config", config).get("max_position_embeddings") or 0) or None
-            Server(engine, tokenizer, shard.vocab_size, limits, context, emitter, scheduler).run(sys.stdin.buffer)
+            server = Server(engine, tokenizer, shard.vocab_size, limits, context, emitter, scheduler, board)
+            server.run(sys.stdin.buffer)
             # Bound the drain: a peer that died after SHUTDOWN left would hang it forever.
             faulthandler.dump_traceback_later(DRAIN_TIMEOUT_S, exit=True)
             engine.shutdown()
@@ -292,10 +305,13 @@ class Server:
     decides the steps, pipeline.Engine runs them), commands are read while it runs."""
 
     def __init__(self, engine: Any, tokenizer: Any, vocab_size: int, limits: Any, context: int | None, emitter: Emitter,
-                 scheduler: Scheduler) -> None:
+                 scheduler: Scheduler, board: LoadBoard | None = None) -> None:
         self.engine, self.tokenizer, self.vocab_size = engine, tokenizer, vocab_size
         self.limits, self.context, self.emitter = limits, context, emitter
         self.scheduler = scheduler
+        self.board = board if board is not None else LoadBoard()
+        self.tokens = 0
+        """Tokens generated since the worker started (the heartbeat's counter)."""
         self.texts: dict[str, _Text] = {}
         self.eos = frozenset(self.tokenizer.eos_token_ids or ())
         self.closing = False
@@ -308,6 +324,7 @@ class Server:
         sched, engine = self.scheduler, self.engine
         while True:
             self._take(commands, block=sched.idle and not self.closing)
+            self._publish_load()
             if sched.idle:
                 if self.closing:
                     return
@@ -322,9 +339,16 @@ class Server:
                     self._complete(*engine.collect())
                 while engine.ready():
                     self._complete(*engine.collect())
+                self._publish_load()
             except Exception as e:  # noqa: BLE001 - report it against the requests, then end the worker
                 ids = [*sched.active, *(r.rid for r in sched.queue)]
                 raise RequestFailed(f"generation failed: {type(e).__name__}: {e}", ids) from e
+
+    def _publish_load(self) -> None:
+        from p2pmesh.worker import protocol
+
+        s = self.scheduler
+        self.board.value = protocol.Load(s.running, len(s.queue), self.tokens)
 
     def _take(self, commands: queue.Queue[bytes | LineTooLong | None], block: bool) -> None:
         """Handle the commands that arrived (waiting for one when there is nothing to run)."""
@@ -397,6 +421,7 @@ class Server:
                 self._finished(outcome)
                 continue
             t = self.texts[outcome.rid]
+            self.tokens += 1
             t.text.detok.add_token(outcome.token)
             self.emitter.emit(protocol.token(outcome.rid, outcome.token, t.text.segment(outcome.token),
                                              t.prompt if outcome.first else None))

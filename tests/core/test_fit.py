@@ -15,6 +15,7 @@ from p2pmesh.core import dataplane, fit, validate
 from p2pmesh.core.cluster import apply_command
 from p2pmesh.core.machine import Machine, ModelMeasured, PeerDiscovered, ProposalRequested
 from p2pmesh.core.messages import (
+    ActivatePlacement,
     Capabilities,
     ClusterState,
     Measure,
@@ -189,3 +190,87 @@ def test_no_verdict_while_a_member_has_not_measured_this_model(measures: list[Me
 def _cluster(measures: list[Measure | MeasureFailed | None]) -> ClusterState:
     members = tuple(Member(f"n{i}", 1, True, True, (), Capabilities(0, "m"), measure=m) for i, m in enumerate(measures))  # type: ignore[arg-type]
     return ClusterState("c", members, 1, tuple(m.node_id for m in members), (), model=MODEL)
+
+
+# --- KV cache for the requests served at once ---------------------------------------------------
+
+
+def _one_mac(memory: int, batch: int) -> ClusterState:
+    state = _cluster([Measure("tiny", memory, 0.5)])
+    assert state.model is not None
+    return replace(state, model=replace(state.model, batch=batch))
+
+
+def test_the_placement_reserves_kv_for_the_asked_batch_and_serves_fewer_where_memory_is_short() -> None:
+    # One stage holds 8 layers of 1,000 bytes, 1,000 of embeddings and head, and 8 x 1,000
+    # bytes of KV cache per request served at once (100 tokens x 10 bytes per layer).
+    for memory, batch in ((9000 + 8000 * 8, 8), (9000 + 8000 * 3, 3), (9000 + 8000 * 3 + 7999, 3), (9000 + 8000, 1)):
+        state = _one_mac(memory, 8)
+        proposal = dataplane.negotiate(state)
+        assert isinstance(proposal, SetPlacement) and proposal.stages == (Stage("n0", 0, 8),), memory
+        assert proposal.batch == batch, (memory, proposal.batch)
+        assert fit.problem(state) is None  # fewer at once is not a refusal
+        # It is committed with the placement, serves with it, and reaches the head worker.
+        state = apply_command(state, proposal)
+        assert state.placement_batch == batch and state.active_batch == 1
+        state = apply_command(state, ActivatePlacement(proposal.epoch))
+        assert state.active_batch == batch
+        assert [w.batch for w in dataplane.wanted_workers(state, "n0")] == [batch]
+        assert dataplane.negotiate(state) is None  # settled: nothing more to propose
+    # Not even one request at a time: no placement, and the verdict says why.
+    state = _one_mac(9000 + 8000 - 1, 8)
+    assert dataplane.negotiate(state) is None
+    assert fit.problem(state) is not None and fit.problem(state).code == fit.DOES_NOT_FIT  # type: ignore[union-attr]
+
+
+def test_a_new_batch_asked_for_the_same_model_is_a_new_placement() -> None:
+    state = _one_mac(10**6, 2)
+    first = dataplane.negotiate(state)
+    assert isinstance(first, SetPlacement) and first.batch == 2
+    state = apply_command(apply_command(state, first), ActivatePlacement(first.epoch))
+    assert state.model is not None
+    state = replace(state, model=replace(state.model, batch=6))
+    second = dataplane.negotiate(state)
+    assert isinstance(second, SetPlacement) and second.batch == 6 and second.stages == first.stages
+
+
+@settings(max_examples=200, deadline=None)
+@given(asked=st.integers(1, 300), fits_up_to=st.integers(0, 300))
+def test_largest_batch_finds_the_most_that_fits_in_few_plans(asked: int, fits_up_to: int) -> None:
+    tried: list[int] = []
+
+    def plan_for(batch: int) -> str | None:
+        tried.append(batch)
+        return f"plan for {batch}" if batch <= fits_up_to else None
+
+    batch, plan = fit.largest_batch(asked, plan_for)
+    if fits_up_to == 0:
+        assert (batch, plan) == (1, None)
+    else:
+        expected = min(asked, fits_up_to)
+        assert (batch, plan) == (expected, f"plan for {expected}")
+    assert len(tried) <= asked.bit_length() + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(memories=st.lists(st.integers(3000, 60_000), min_size=1, max_size=4), asked=st.integers(1, 12))
+def test_the_batch_placed_is_the_largest_any_plan_fits(memories: list[int], asked: int) -> None:
+    state = _cluster([Measure("tiny", m, 0.5) for m in memories])
+    assert state.model is not None
+    state = replace(state, model=replace(state.model, batch=asked))
+    proposal = dataplane.negotiate(state)
+    nodes = fit.planned_nodes(state)
+
+    def fits(batch: int) -> bool:
+        try:
+            solve_placement(fit.model_spec(state.model, batch), nodes, [])  # type: ignore[arg-type]
+            return True
+        except PlacementError:
+            return False
+
+    if proposal is None:  # nothing fits: nothing to place (and nothing was placed)
+        assert not fits(1)
+        return
+    assert isinstance(proposal, SetPlacement) and proposal.stages
+    assert fits(proposal.batch) and 1 <= proposal.batch <= asked
+    assert proposal.batch == asked or not fits(proposal.batch + 1)

@@ -3,9 +3,9 @@ with the tokens generated so far, stale epochs, and its bounds."""
 from __future__ import annotations
 
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.messages import InferRequest, InferTokens
+from p2pmesh.core.messages import InferCancel, InferRequest, InferTokens
 from p2pmesh.core.protocol import ErrorCode
-from p2pmesh.core.serving import BEACON_MS, REQUESTS_MAX, SILENT_MS, STALE, STALL_MS, GenerateParams, Router
+from p2pmesh.core.serving import BEACON_MS, REQUESTS_MAX, SILENT_MS, STALE, STALL_MS, GenerateParams, Router, WorkerCancel
 
 A, B, C = NodeId("a" * 32), NodeId("b" * 32), NodeId("c" * 32)
 PARAMS = GenerateParams("hello", (), 6, 0.0, 1.0, 0)
@@ -315,3 +315,78 @@ def test_a_broken_pipeline_still_fails_after_stall_ms_without_a_new_epoch() -> N
     origin.tick(None, B, 3, STALL_MS)
     [event] = origin.take()[2]
     assert event.done and event.finish == "error" and "stuck" in event.text and event.code == ErrorCode.STALLED
+
+
+def test_the_last_event_reports_the_time_to_first_token_from_the_ask_across_a_resume() -> None:
+    origin = Router(A)
+    origin.requested("r1", PARAMS, 100)
+    origin.tick(None, B, 3, 100)
+    _requests(origin)
+    origin.on_tokens(InferTokens(B, "r1", 3, (), "", False, "", (1, 2, 3), 1, 0), 150)  # a beacon: no token yet
+    origin.on_tokens(InferTokens(B, "r1", 3, (11,), "x", False, "", (1, 2, 3), 1, 0), 340)
+    origin.tick(None, C, 4, 400)  # B died: resumed on C; the first token stays the one at 340
+    _, _, first = origin.take()
+    origin.on_tokens(InferTokens(C, "r1", 4, (12,), "y", True, "stop", (), 2, 0), 900)
+    _, _, last = origin.take()
+    assert [e.ttft_ms for e in first + last] == [None, 240]  # only the last event carries it
+
+
+def test_a_request_that_produced_no_token_reports_no_time_to_first_token() -> None:
+    origin = Router(A)
+    origin.requested("r1", PARAMS, 0)
+    origin.tick(None, B, 3, 0)
+    _requests(origin)
+    origin.on_tokens(InferTokens(B, "r1", 3, (), "prompt too long", True, "error", (), 1, 0, ErrorCode.PROMPT_REFUSED), 5)
+    [event] = origin.take()[2]
+    assert event.done and event.finish == "error" and event.ttft_ms is None
+
+
+def test_a_client_that_hangs_up_frees_the_heads_worker_slot() -> None:
+    origin, head = Router(A), Router(B)
+    origin.requested("r1", PARAMS, 0)
+    origin.tick(None, B, 3, 0)
+    [(_, req)] = _requests(origin)
+    head.on_request(A, req, None)
+    head.tick(None, B, 3, 1)
+    head.take()  # the submit
+    origin.cancelled("r1")
+    assert not origin.origins
+    messages, _, client = origin.take()
+    assert client == []  # the client is gone: nothing is told to it
+    [(dst, cancel)] = messages
+    assert dst == B and isinstance(cancel, InferCancel) and (cancel.epoch, cancel.attempt) == (3, 1)
+    head.on_cancel(A, cancel)
+    _, commands, _ = head.take()
+    assert commands == [WorkerCancel(3, "r1", 1)] and not head.served
+    # The worker's last words about it (finish "cancelled") go nowhere.
+    head.worker_event(3, "r1", (), "", True, "cancelled", (), 1, 2)
+    assert head.take() == ([], [], [])
+
+
+def test_a_cancel_of_another_origins_request_or_an_old_attempt_is_ignored() -> None:
+    head = Router(B)
+    head.on_request(A, InferRequest(A, "r1", 3, "hi", (), 4, 0.0, 1.0, 0, 2), None)
+    head.tick(None, B, 3, 0)
+    head.take()
+    for cancel in (InferCancel(C, "r1", 3, 2), InferCancel(A, "r1", 3, 1), InferCancel(A, "r1", 2, 2)):
+        head.on_cancel(cancel.src, cancel)
+    assert "r1" in head.served and head.take()[1] == []
+
+
+def test_a_client_that_hangs_up_before_its_request_was_sent_costs_no_message() -> None:
+    origin = Router(A)
+    origin.requested("r1", PARAMS, 0)
+    origin.cancelled("r1")
+    origin.cancelled("unknown")  # twice, or never asked: nothing happens
+    origin.tick(None, B, 3, 0)
+    assert origin.take() == ([], [], [])
+
+
+def test_origin_and_head_on_one_node_cancel_through_the_loopback_rounds() -> None:
+    node = Router(A)
+    node.requested("r1", PARAMS, 0)
+    _, [submit], _ = node.step(None, A, 3, 0)
+    assert submit.req == "r1"
+    node.cancelled("r1")
+    _, commands, client = node.step(None, A, 3, 1)
+    assert commands == [WorkerCancel(3, "r1", 1)] and client == [] and not node.served

@@ -21,6 +21,7 @@ from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.messages import (
     ActivatePlacement,
     InferRequest,
+    InferCancel,
     InferTokens,
     Measure,
     MeasureFailed,
@@ -131,6 +132,7 @@ EXAMPLES: dict[type, list[Any]] = {
     ActivatePlacement: [ActivatePlacement(3)],
     InferRequest: [InferRequest(A, "r1", 3, "hi", (), 16, 0.0, 1.0, 0), InferRequest(A, "r1", 4, None, (1, 2), 3, 0.7, 0.9, 5)],
     InferTokens: [InferTokens(B, "r1", 3, (5,), "x", False, "", (1, 2)), InferTokens(B, "r1", 3, (), "why", True, "error", ())],
+    InferCancel: [InferCancel(B, "r1", 3, 2)],
     Put: [Put("k", "v"), Put("", "")],
     Entry: list(ENTRIES),
     ClusterState: [STATE, ClusterState(CL, (), 0, (), ())],

@@ -143,6 +143,8 @@ def test_cancel_frees_a_slot_and_a_full_queue_says_busy(family: str, stages: lis
         busy = final_of(events, "d")
         assert busy["event"] == "error" and busy["code"] == "busy", busy
         assert not tokens_of(events, "c")  # waits for a slot
+        # The head's heartbeat reports its batch: a and b running, c waiting.
+        cluster.wait_head_beat(lambda beat: (beat["running"], beat["queued"]) == (2, 1))
 
         cluster.send({"op": "cancel", "id": "a"})
         cluster.send({"op": "cancel", "id": "nobody"})  # unknown: ignored
@@ -154,6 +156,8 @@ def test_cancel_frees_a_slot_and_a_full_queue_says_busy(family: str, stages: lis
         cluster.send({"op": "cancel", "id": "b"})
         tail = collect(cluster, {"b"})  # b's tokens up to its cancel, then its done
         assert final_of(tail, "b")["finish"] == "cancelled"
+        generated = len([e for e in events + rest + tail if e["event"] == "token"])
+        cluster.wait_head_beat(lambda beat: (beat["running"], beat["queued"], beat["tokens"]) == (0, 0, generated))
         assert cluster.shutdown() == [0] * cluster.size, cluster.stderrs()
     finally:
         cluster.close()

@@ -40,6 +40,8 @@ class Cluster:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.events: list[queue.Queue[dict[str, Any]]] = []
         self.heartbeats = [0] * len(stages)
+        self.head_beat: dict[str, Any] = {}
+        """Rank 0's latest heartbeat (its batch load)."""
         self.errs = [workdir / f"rank{r}.err" for r in range(len(stages))]
 
     @property
@@ -78,9 +80,22 @@ class Cluster:
                 event["_t"] = time.monotonic()
             if event.get("event") == "heartbeat":
                 self.heartbeats[rank] += 1
+                if rank == 0:
+                    self.head_beat = event
             else:
                 q.put(event)
         q.put({"event": "eof"})
+
+    def wait_head_beat(self, predicate: Any, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Rank 0's first heartbeat (from now on) that satisfies ``predicate``."""
+        deadline = time.monotonic() + timeout_s
+        seen = self.head_beat
+        while time.monotonic() < deadline:
+            beat = self.head_beat
+            if beat is not seen and predicate(beat):
+                return beat
+            time.sleep(0.05)
+        raise ClusterError(f"rank 0: no heartbeat like that within {timeout_s:g} s (last: {self.head_beat})\n{self.stderrs()}")
 
     def next_event(self, rank: int, deadline: float) -> dict[str, Any]:
         try:

@@ -40,7 +40,7 @@ from p2pmesh.core.mlx_hostfile import (
     jaccl_devices,
     ring_hostfile,
 )
-from p2pmesh.core.serving import WorkerSubmit
+from p2pmesh.core.serving import WorkerCancel, WorkerCommand
 from p2pmesh.core.supervision import (  # noqa: F401 - request_outcome: re-exported
     HEARTBEAT_TIMEOUT_S,
     PROGRESS_TIMEOUT_S,
@@ -59,11 +59,14 @@ STOP_GRACE_S = 3.0
 LINE_BYTES_MAX = 1 << 20
 
 
-def worker_command(model: str, stages: Any, rank: int, backend: str, config: WorkersConfig) -> list[str]:
-    """The command line of one rank's worker process (worker/serve.py)."""
+def worker_command(model: str, stages: Any, rank: int, backend: str, config: WorkersConfig, batch: int | None = None) -> list[str]:
+    """The command line of one rank's worker process (worker/serve.py): it serves the
+    placement's batch (the requests whose KV cache the placement reserved) at most, and this
+    agent's --max-batch at most."""
+    max_batch = config.max_batch if batch is None else max(1, min(config.max_batch, batch))
     return [sys.executable, "-m", "p2pmesh.worker.serve", "--model", model, "--stages", json.dumps(stages),
             "--rank", str(rank), "--backend", backend,
-            "--max-batch", str(config.max_batch), "--max-queue", str(config.max_queue)]
+            "--max-batch", str(max_batch), "--max-queue", str(config.max_queue)]
 
 
 @dataclass
@@ -196,7 +199,7 @@ class Supervisor:
                 env[launch.file_env[name]] = str(path)
             env.update(launch.env)
         model = model_dir(want.model, self.config.model_root, self.config.state_dir)
-        cmd = worker_command(model, stages, want.rank, backend, self.config)
+        cmd = worker_command(model, stages, want.rank, backend, self.config, want.batch)
         log_file = open(cfg_dir / f"worker-{want.epoch}.log", "ab")  # noqa: SIM115 - owned by the process
         try:
             process = await trio.lowlevel.open_process(
@@ -259,20 +262,26 @@ class Supervisor:
         if got is not None:
             await self.inbox.put(got)
 
-    async def submit(self, s: WorkerSubmit) -> None:
-        """Hand a request to the local head worker of its epoch (rank 0)."""
+    async def submit(self, s: WorkerCommand) -> None:
+        """Hand a request to the local head worker of its epoch (rank 0), or tell it to stop
+        one whose client hung up (the worker answers that one's end with finish "cancelled")."""
         ident = f"{s.req}@{s.attempt}"
         w = self.workers.get(s.epoch)
-        if w is None or w.process.stdin is None or self.book.submit(s.epoch, ident, trio.current_time()) is None:
+        held = self.book.head(s.epoch) if isinstance(s, WorkerCancel) else self.book.submit(s.epoch, ident, trio.current_time())
+        if w is None or w.process.stdin is None or held is None:
             # The epoch's head worker is gone (reported as WorkerCrashed): the request waits
             # with its origin for the next epoch, not the client's error.
             log.info("request %s: no head worker for epoch %d here", s.req, s.epoch)
             return
-        p = s.params
-        line = json.dumps({
-            "op": "generate", "id": ident, "prompt": p.prompt, "prompt_tokens": list(p.prompt_tokens) or None,
-            "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed,
-        }).encode() + b"\n"
+        if isinstance(s, WorkerCancel):
+            log.info("request %s: its client hung up; cancelling it in the worker of epoch %d", s.req, s.epoch)
+            line = json.dumps({"op": "cancel", "id": ident}).encode() + b"\n"
+        else:
+            p = s.params
+            line = json.dumps({
+                "op": "generate", "id": ident, "prompt": p.prompt, "prompt_tokens": list(p.prompt_tokens) or None,
+                "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed,
+            }).encode() + b"\n"
         async with w.stdin_lock:
             try:
                 await w.process.stdin.send_all(line)

@@ -1,0 +1,93 @@
+"""A client that hangs up frees its request's slot at once (issue 15), with real agent
+processes and a real worker on loopback.
+
+Two agents; the model is small enough that one Mac serves it, so the other agent is an
+origin only: its client's hang-up crosses the wire (InferCancel) to the head, whose worker
+runs with room for exactly one request (`--max-batch 1 --max-queue 0`). The head cancels the
+request in its worker, and the next request is served instead of refused as busy.
+"""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import p2pmesh
+from tests.agent.harness import ROOT, AgentProc, free_port, make_model, one_cluster, wait_for
+
+FORM_TIMEOUT_S = 40
+SERVE_TIMEOUT_S = 90
+CANCEL_TIMEOUT_S = 20
+CONTEXT = 4096
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("model") / "tiny-llama-512"
+    make_model(out, family="llama", layers=6, hidden=512, seed=3)
+    return out
+
+
+def _agents(tmp_path: Path) -> list[AgentProc]:
+    from p2pmesh.drivers.keys import write_key
+
+    key = tmp_path / "key"
+    write_key(key, bytes(range(9, 41)))
+    port = free_port()
+    listens = [f"127.0.0.{i + 2}:{port}" for i in range(2)]
+    data = random.Random().randrange(20000, 40000)
+    agents = []
+    for i, listen in enumerate(listens):
+        extra = ["--no-mdns", "--data-port", str(data), "--max-batch", "1", "--max-queue", "0"]
+        a = AgentProc(tmp_path / f"m{i}", listen, peers=[x for x in listens if x != listen], key_file=key, extra=extra)
+        a.state_dir.mkdir()
+        agents.append(a)
+    return agents
+
+
+def test_a_client_that_hangs_up_on_another_mac_frees_the_heads_only_slot(tmp_path: Path, slow_model: Path) -> None:
+    agents = _agents(tmp_path)
+    try:
+        for a in agents:
+            a.start()
+        wait_for(lambda: one_cluster(agents, 2), FORM_TIMEOUT_S, "one cluster of two")
+        r = subprocess.run([sys.executable, "-m", "p2pmesh", "model", "set", str(slow_model), "--context-tokens", str(CONTEXT),
+                            "--state-dir", str(agents[0].state_dir)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+
+        def serving() -> list[str] | None:
+            p = (agents[0].status() or {}).get("placement") or {}
+            return [s["node_id"] for s in p["stages"]] if p.get("serving") and "pending" not in p else None
+
+        stages = wait_for(serving, SERVE_TIMEOUT_S, "the model serving")
+        by_id = {(a.status() or {}).get("node_id"): a for a in agents}
+        head = by_id[stages[0]]
+        origin = next(a for a in agents if a is not head)
+        if len(stages) > 1:
+            pytest.fail(f"the planner split a model that fits one Mac: {stages}")
+
+        with p2pmesh.Client(origin.state_dir / "agent.sock") as client:
+            first = client.generate(PROMPT, max_tokens=4000)
+            assert next(iter(first))  # it runs: the head's one slot is taken
+            first.close()  # the client hangs up mid-stream
+            wait_for(lambda: "its client hung up; cancelling it" in head.log_text(), CANCEL_TIMEOUT_S,
+                     "the head cancelling the request in its worker")
+            # The slot is free again: the next request is served, not refused as busy (the
+            # first one alone would hold the slot for its 4,000 tokens).
+            deadline = time.monotonic() + CANCEL_TIMEOUT_S
+            while True:
+                try:
+                    result = client.generate(PROMPT, max_tokens=4).collect()
+                    break
+                except p2pmesh.Busy:
+                    assert time.monotonic() < deadline, "the hung-up request still holds the worker's slot"
+                    time.sleep(0.2)
+            assert result.finish == "length" and len(result.tokens) == 4
+    finally:
+        for a in agents:
+            a.stop()
