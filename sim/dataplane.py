@@ -5,7 +5,7 @@ the agent acts on effects), and this module does what p2pmesh/workers.py does wi
 processes: fetch a stage's files (``StageFilesFetched(epoch)`` after a seeded delay, as
 p2pmesh/fetch.py does with real downloads), run one worker per epoch in
 ``dataplane.wanted_workers(state, me)``, stop the ones no longer wanted, feed
-``WorkerLoaded(epoch)`` once a worker has "loaded" (a seeded delay), and hand the head's ``Ready.submits`` to its rank-0 worker, whose tokens come back
+``WorkerLoaded(epoch)`` once a worker has "loaded" (a seeded delay), and hand the head's ``Effects.submits`` to its rank-0 worker, whose tokens come back
 as ``WorkerOutput`` inputs.
 
 The fake model is a pure function of the context: the next token is a hash of every token
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from p2pmesh.core import dataplane
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.machine import Mode, Ready, StageFilesFetched, WorkerCrashed, WorkerLoaded, WorkerOutput
+from p2pmesh.core.machine import Effects, Mode, Ready, StageFilesFetched, WorkerCrashed, WorkerLoaded, WorkerOutput
 from p2pmesh.core.messages import Stage
 from p2pmesh.core.serving import GenerateParams, WorkerSubmit
 from sim.node import SimNode
@@ -172,9 +172,9 @@ class DataPlane:
     # ------------------------------------------------------------------------------
     # Driven by the world
 
-    def observe(self, node: SimNode, ready: Ready) -> None:
+    def observe(self, node: SimNode, ready: Ready, effects: Effects) -> None:
         self.reconcile(node)
-        for s in ready.submits:
+        for s in effects.submits:
             self._submit(node, s)
 
     def reconcile(self, node: SimNode) -> None:
