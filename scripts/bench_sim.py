@@ -133,7 +133,7 @@ def clean_join_and_detection(seeds: int, loss: float) -> tuple[list[float], list
         w.crash(victim)
         marked: list[int] = []
 
-        def seen(n: object, ready: object, victim_id: str = victim.node_id) -> None:
+        def seen(n: object, ready: object, effects: object, victim_id: str = victim.node_id) -> None:
             for e in ready.applied:  # type: ignore[attr-defined]
                 if isinstance(e.command, MarkDown) and e.command.node_id == victim_id and not marked:
                     marked.append(w.now_us)

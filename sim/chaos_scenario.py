@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from p2pmesh.core import wire
-from p2pmesh.core.machine import Machine, Ready
+from p2pmesh.core.machine import Effects, Machine, Ready
 from p2pmesh.core.raft import Raft
 from p2pmesh.core.settings import Settings
 from sim.chaos_schedule import (
@@ -44,11 +44,10 @@ from sim.chaos_schedule import (
     ChaosStep,
 )
 from sim.checks import Checker, InvariantViolated
-from sim.disk import SimDisk
 from sim.history import EndState, History, Verdict, judge
 from sim.node import SimNode
 from sim.observations import Ack, LogSample, MemberView, ReadOp, Violation
-from sim.world import World
+from sim.world import World, kept
 
 US = 1_000_000
 READ_TIMEOUT_S = 5.0
@@ -78,9 +77,9 @@ class _ChaosChecker(Checker):
 
     def after_handle(self, node: SimNode, ready: Ready) -> None:
         super().after_handle(node, ready)
-        r = node.machine.raft if node.machine is not None else None
-        if r is None or not (SimDisk.has_durable_part(ready) or ready.messages or ready.applied or ready.reads
-                             or ready.left or ready.submits or ready.client):
+        m = node.machine
+        r = m.raft if m is not None else None
+        if r is None or not kept(ready, m.effects_of(ready)):  # type: ignore[union-attr]
             return  # a Ready the world never syncs (nothing to keep) is never observed either
         view = member_view(r) if any(ok for _, ok in ready.reads) else None
         self.at_handle[id(ready)] = (r.cluster, node.machine.inc, r.commit,  # type: ignore[union-attr]
@@ -335,7 +334,7 @@ class ChaosScenario:
                 del self.reads[ctx]
                 self.history.reads.append(ReadOp(pending.host, pending.invoke_s, self.now_s, error=why))
 
-    def _observe(self, node: SimNode, ready: Ready) -> None:
+    def _observe(self, node: SimNode, ready: Ready, effects: Effects) -> None:
         seen = self.checker.at_handle.pop(id(ready), None)
         if seen is None:
             return

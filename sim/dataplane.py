@@ -13,8 +13,8 @@ drive, and this module carries out their decisions with fake processes on virtua
   core: the fake workers emit worker/protocol.py events (``ready``, ``token``, ``done``),
   which the book turns into ``WorkerLoaded`` and ``WorkerOutput`` exactly as the agent does;
   a worker whose process exits is reported as ``WorkerCrashed`` by the book, once;
-- the head's ``Ready.submits`` go to the book and to its rank-0 fake worker (``observe``, the
-  one place this module reads a Ready).
+- the head's ``Effects.submits`` (``machine.advance``) go to the book and to its rank-0 fake worker (``observe``, the
+  one place this module reads them).
 The fake model, the fake timings and the faults (a group breaks, stalls) are this module's.
 
 The fake model is a pure function of the context: the next token is a hash of every token
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from p2pmesh.core import dataplane
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.machine import Mode, Ready
+from p2pmesh.core.machine import Effects, Mode, Ready
 from p2pmesh.core.messages import Stage
 from p2pmesh.core.serving import GenerateParams, WorkerSubmit
 from p2pmesh.core.stage_fetch import FetchPlanner
@@ -203,11 +203,11 @@ class DataPlane:
     # ------------------------------------------------------------------------------
     # Driven by the world
 
-    def observe(self, node: SimNode, ready: Ready) -> None:
-        """After a Ready's fsync, as the agent acts on it: its tasks see the new state, and
-        its submits go to the head worker (the one place this module reads a Ready)."""
+    def observe(self, node: SimNode, ready: Ready, effects: Effects) -> None:
+        """After a Ready's fsync and advance, as the agent acts on it: its tasks see the new
+        state, and its submits go to the head worker (the one place this module reads them)."""
         self.reconcile(node)
-        for s in ready.submits:
+        for s in effects.submits:
             self._submit(node, s)
 
     def reconcile(self, node: SimNode) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from p2pmesh.core.machine import Ready
+from p2pmesh.core.machine import Effects, Ready
 from p2pmesh.core.raft import Role
 from sim.node import SimNode
 from sim.scenario import SIM_SETTINGS
@@ -34,10 +34,10 @@ class _Narrator:
     def say(self, text: str) -> None:
         print(f"[{self.world.now_us / 1e6:7.3f} s] {text}", flush=True)
 
-    def observe(self, node: SimNode, ready: Ready) -> None:
+    def observe(self, node: SimNode, ready: Ready, effects: Effects) -> None:
         # Narrate cluster events once, from the leader's point of view.
         m = node.machine
-        for ev in ready.events:
+        for ev in effects.events:
             subject = ev.detail.split(" ")[0]
             if ev.kind.startswith("member") and (m is None or m.raft is None or m.raft.role is not Role.LEADER):
                 continue

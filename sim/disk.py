@@ -65,13 +65,9 @@ class SimDisk:
         """Synced images of earlier incarnations (abandoned logs and wiped disks), kept so
         the checker can judge old commits by what was durable when they happened."""
 
-    @staticmethod
-    def has_durable_part(ready: Ready) -> bool:
-        return ready.hard is not None or ready.snapshot is not None or ready.log_truncate_from is not None
-
     def write(self, ready: Ready) -> None:
         """Queue a Ready in order; its durable part (if any) reaches the page cache now."""
-        durable = self.has_durable_part(ready)
+        durable = ready.durable_part()
         if durable:
             self.written.write(ready)
             self.writes += 1

@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, field
 
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.machine import Ready
+from p2pmesh.core.machine import Effects, Ready
 from p2pmesh.core.messages import SetRing
 from p2pmesh.core.ring import Link, solve
 from sim.cabling import TB_GBPS
@@ -162,7 +162,7 @@ class RingScenario:
         # minutes later; the ring must leave it long before that.
         return self._committed() == self._expected()
 
-    def _observe(self, node: SimNode, ready: Ready) -> None:
+    def _observe(self, node: SimNode, ready: Ready, effects: Effects) -> None:
         m = node.machine
         if m is None or m.raft is None:
             return

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from p2pmesh.core.machine import Machine, Ready
+from p2pmesh.core.machine import Effects, Machine, Ready
 from p2pmesh.core.messages import MarkDown, Promote
 from p2pmesh.core.raft import LEADER
 from p2pmesh.core.settings import Settings
@@ -63,7 +63,7 @@ class _Metrics:
         self.fresh_since: dict[str, int] = {}
         world.observers.append(self.observe)
 
-    def observe(self, node: SimNode, ready: Ready) -> None:
+    def observe(self, node: SimNode, ready: Ready, effects: Effects) -> None:
         m = node.machine
         if not ready.applied or m is None or m.raft is None or m.raft.role is not LEADER:
             return

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from p2pmesh.core.machine import (
+    Effects,
     GenerateRequested,
     Machine,
     Mode,
@@ -446,14 +447,14 @@ class ServingScenario:
     # ------------------------------------------------------------------------------
     # Checks, on every synced Ready
 
-    def _observe(self, node: SimNode, ready: Ready) -> None:
+    def _observe(self, node: SimNode, ready: Ready, effects: Effects) -> None:
         for e in ready.applied:
             cmd = e.command
             if isinstance(cmd, SetPlacement):
                 self._check_tiling(node, cmd)
             elif isinstance(cmd, ActivatePlacement):
                 self._check_activation(node, cmd)
-        for ev in ready.client:
+        for ev in effects.client:
             self._client_event(node, ev)
 
     def _check_tiling(self, node: SimNode, cmd: SetPlacement) -> None:

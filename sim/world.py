@@ -2,7 +2,9 @@
 
 The world plays the agent's driver for every node with the same contract: on each Ready it
 writes the durable part to the node's disk, waits for the fsync (virtual latency), then
-sends the messages through the virtual network, then reports applied entries and reads.
+sends the messages through the virtual network, advances the Ready and hands it and its
+Effects to the observers. The node keeps handling inputs while its disk syncs (a pipelined
+driver, core/outbox.py); its trace records the events it decides when it decides them.
 Messages are checked against the wire codec and the receiver's semantic checks by sample
 (``WIRE_CHECK_EVERY``): the sampled ones travel as decoded frames, the others as the objects
 the sender made (MessageReceived, which the receiving core does not check again). Events are
@@ -21,6 +23,7 @@ from p2pmesh.core.errors import LocalProtocolError, RemoteProtocolError
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.machine import (
+    Effects,
     Input,
     LeaveRequested,
     Machine,
@@ -54,6 +57,13 @@ of the simulator's time and checked less: the decoded copy was never compared. T
 skip all three: a correct core makes no message that fails them."""
 
 
+def kept(ready: Ready, effects: Effects) -> bool:
+    """Whether the world writes a Ready, syncs it and shows it to its observers: anything but
+    log lines (submits and client events too: with no durable part, after no delay)."""
+    return bool(ready.durable_part() or ready.messages or ready.applied or ready.reads or ready.left
+                or effects.submits or effects.client)
+
+
 class World:
     def __init__(
         self,
@@ -80,7 +90,7 @@ class World:
         self.trace = trace
         self.hasher = hashlib.sha256()
         self.checker = checker or Checker(self)
-        self.observers: list[Callable[[SimNode, Ready], None]] = []
+        self.observers: list[Callable[[SimNode, Ready, Effects], None]] = []
         self.lose_unsynced_on_crash = False
         self.cabling = Cabling()
         self.fifo_types: tuple[type, ...] = ()
@@ -127,6 +137,7 @@ class World:
             now_ms=self.now_ms,
             addresses=(f"10.0.0.{node.index + 1}",),
             caps=node.caps,
+            pipelined=True,
         )
         node.machine = machine
         self.checker.on_boot(node)
@@ -272,14 +283,13 @@ class World:
     def _process_ready(self, node: SimNode, ready: Ready) -> None:
         machine = node.machine
         assert machine is not None
-        durable = ready.hard is not None or ready.snapshot is not None or ready.log_truncate_from is not None
+        effects = machine.effects_of(ready)  # (advanced after the fsync; traced now)
         self.checker.after_handle(node, ready)
-        if self.trace is not None or ready.events:
-            for ev in ready.events:
+        if self.trace is not None or effects.events:
+            for ev in effects.events:
                 self._log(node, ev.kind, ev.detail)
-        # submits and client events (the data plane) also reach the observers, after the fsync
-        # like every effect: a Ready carrying only those has no durable part, so no delay.
-        if durable or ready.messages or ready.applied or ready.reads or ready.left or ready.submits or ready.client:
+        if kept(ready, effects):
+            durable = ready.durable_part()
             node.disk.write(ready)
             sync_at = max(self.now_us, node.disk_free_at) + (FSYNC_US if durable else 0)
             node.disk_free_at = sync_at
@@ -287,6 +297,8 @@ class World:
                 self._synced(node, ready)
             else:
                 self._push(sync_at, SYNCED, node.index, (node.gen, ready))
+        elif effects.events:
+            machine.advance(ready)  # events only: nothing to keep, send or observe
         self._schedule_timer(node)
 
     def _schedule_timer(self, node: SimNode, force: bool = False) -> None:
@@ -302,9 +314,11 @@ class World:
         node.disk.sync(through=ready)
         if ready.messages:
             self._send(node.node_id, ready.messages)
+        assert node.machine is not None
+        effects = node.machine.advance(ready)
         self.checker.after_sync(node, ready)
         for obs in self.observers:
-            obs(node, ready)
+            obs(node, ready, effects)
         if ready.left:
             node.left = True
             node.alive = False

@@ -2,10 +2,11 @@
 out its effects; the tasks (agent/tasks/) get ports (agent/ports.py), never this class.
 
 The loop, for every input (a frame, a discovered peer, a timer, a control request):
-  ready = machine.handle(input, now_ms)
+  ready = machine.handle(input, now_ms)   # consensus output only
   storage.save(ready)          # durable part, fsynced, BEFORE anything leaves
   transport.send(messages)     # then the messages
-  act on applied entries, reads, events, left
+  effects = machine.advance(ready)        # the core learns what is on disk
+  act on applied entries, reads, left and the effects (events, worker submits, client tokens)
   publish a new ClusterView snapshot   # what tasks and status may act on: durable only
 Timers: the loop waits on the inbox until machine.next_deadline_ms(), then feeds TimerFired.
 Every other task (listeners, dialers, the control socket, the agent's tasks) only puts
@@ -298,15 +299,17 @@ class Agent:
         assert transport is not None
         for dst, message in ready.messages:
             transport.send(dst, wire.encode(message))
-        # 3. then everything that may be observed.
-        for ev in ready.events:
+        # 3. tell the core the Ready is durable; then everything that may be observed.
+        assert self.machine is not None
+        effects = self.machine.advance(ready)
+        for ev in effects.events:
             log.info("%s %s", ev.kind, ev.detail)
         if ready.applied and self.machine is not None and self.machine.raft is not None:
             for m in self.machine.raft.state.members:
                 transport.learn(m.node_id, m.addresses)
-        for submit in ready.submits:
+        for submit in effects.submits:
             await self.supervisor.submit(submit)
-        for event in ready.client:
+        for event in effects.client:
             channel = self.clients.get(event.req)
             if channel is not None:
                 try:

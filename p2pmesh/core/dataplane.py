@@ -25,7 +25,7 @@ from p2pmesh.core.messages import (
     SetPlacement,
     Stage,
 )
-from p2pmesh.core.placement import Plan, PlacementError, solve_placement
+from p2pmesh.core.placement import NodeSpec, Plan, PlacementError, solve_placement
 from p2pmesh.core.placement import Stage as PlanStage
 from p2pmesh.core.ring import Link
 
@@ -83,15 +83,22 @@ def _wanted_stages(state: ClusterState) -> tuple[tuple[Stage, ...], int] | None:
     serving = state.active if state.active else state.placement
     current = Plan(tuple(PlanStage(s.node_id, s.start, s.end) for s in serving), 0.0) if serving else None
 
-    def plan_for(batch: int) -> Plan | None:
+    def plan_for(batch: int, on: list[NodeSpec]) -> Plan | None:
         try:
-            return solve_placement(fit.model_spec(model, batch), nodes, links, current=current, margin=PLACEMENT_MARGIN)
+            return solve_placement(fit.model_spec(model, batch), on, links, current=current, margin=PLACEMENT_MARGIN)
         except PlacementError:
             return None
 
-    batch, plan = fit.largest_batch(max(1, model.batch), plan_for)
-    if plan is None:
+    # The Macs are chosen for speed, serving one request: concurrency never brings a slower
+    # Mac in. Then the KV cache for more requests at once goes where those Macs have room
+    # (their layers may be shared out again for it), as many as fit up to the model's batch.
+    single = plan_for(1, nodes)
+    if single is None:
         return (), 1  # fits nowhere, even serving one request at a time (core/fit.py says why)
+    chosen = {s.node_id for s in single.stages}
+    used = [n for n in nodes if n.node_id in chosen]
+    batch, plan = fit.largest_batch(max(1, model.batch), lambda b: single if b == 1 else plan_for(b, used))
+    assert plan is not None  # batch 1 is `single`
     return tuple(Stage(NodeId(s.node_id), s.start, s.end) for s in plan.stages), batch
 
 

@@ -5,9 +5,10 @@ plug-and-play: forming a cluster with no seed, joining, merging clusters, failur
 detection, learner promotion, removal, graceful leave and the standalone rule.
 
 Inputs are past-tense facts (FrameReceived, PeerDiscovered, TimerFired, ...), each with
-``now_ms``; the output of every input is one Ready batch. The driver persists the Ready's
-durable part (hard state, snapshot, log suffix), then sends its messages, then acts on the
-rest. The simulator and the agent both run this class unchanged.
+``now_ms``; the output of every input is one Ready of consensus output. The driver persists
+its durable part (hard state, snapshot, log suffix), sends its messages, then ``advance``s
+it and acts on the Effects that returns (core/outbox.py). The simulator and the agent both
+run this class unchanged.
 
 Formation and merging (no seed node, no configuration)
 - A fresh node is *unformed*. It greets every discovered peer (Hello). If it sees a
@@ -26,12 +27,11 @@ Formation and merging (no seed node, no configuration)
 """
 from __future__ import annotations
 
-import operator
 import random
 from collections.abc import Callable
 from typing import Any
 
-from p2pmesh.core.cluster import empty_state, find_member
+from p2pmesh.core.cluster import empty_state
 from p2pmesh.core.errors import LocalProtocolError, RemoteProtocolError
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.log import RaftLog
@@ -65,6 +65,7 @@ from p2pmesh.core.messages import (
 from p2pmesh.core.node_io import (  # the machine's inputs and outputs, importable from here too
     AddressesChanged,
     ClusterEvent,
+    Effects,
     FrameReceived,
     GenerateCancelled,
     GenerateRequested,
@@ -94,6 +95,7 @@ from p2pmesh.core.node_io import (  # the machine's inputs and outputs, importab
 )
 from p2pmesh.core.leader import LeaderDuties
 from p2pmesh.core.leave import LeaveStep
+from p2pmesh.core.outbox import Outbox
 from p2pmesh.core.peers import PeerBook, rank
 from p2pmesh.core.publishing import LocalFacts, Publisher
 from p2pmesh.core.raft import LEADER, HardState, Raft, RaftOutput
@@ -129,6 +131,7 @@ class Machine:
         now_ms: int,
         addresses: tuple[str, ...],
         caps: Capabilities,
+        outbox: Outbox,
     ) -> None:
         self.node_id = node_id
         self.settings = settings
@@ -154,6 +157,8 @@ class Machine:
         self.malformed_frames = 0
         """Frames that no correct peer sends: the driver closes the connection they came on."""
         self.ready = Ready()
+        self.out = outbox
+        """Effects collected for the next Ready, the Readies not yet advanced, what is durable."""
         self._last_leader: NodeId | None = None
         self.facts = LocalFacts(addresses, caps)
         """What this Mac knows about itself, to be published (core/publishing.py)."""
@@ -161,9 +166,6 @@ class Machine:
         self.duties = self.leader_class(settings)
         """The leader's proposals (core/leader.py), kept while this node leads."""
         self.router = Router(node_id)
-        self._ports_current: tuple[object, ...] = (None,) * 6
-        """(committed state, incarnation, addresses, caps, ports, probes) when the committed
-        member last matched the local facts: nothing to publish while they stay the same."""
         self._inputs = self._input_table()
 
     # ------------------------------------------------------------------------------
@@ -180,8 +182,12 @@ class Machine:
         now_ms: int,
         addresses: tuple[str, ...] = (),
         caps: Capabilities = Capabilities(0, "unknown"),
+        pipelined: bool = False,
     ) -> tuple[Machine, Ready]:
-        m = cls(node_id=node_id, settings=settings, rng=rng, now_ms=now_ms, addresses=addresses, caps=caps)
+        """A machine and its first Ready. ``pipelined``: the driver may handle inputs before
+        it advances earlier Readies (the simulator's disk; core/outbox.py)."""
+        out = Outbox(pipelined=pipelined, persisted=persisted)
+        m = cls(node_id=node_id, settings=settings, rng=rng, now_ms=now_ms, addresses=addresses, caps=caps, outbox=out)
         if persisted is None or persisted.hard.cluster is None:
             if persisted is not None:
                 m.inc = persisted.hard.inc
@@ -192,7 +198,7 @@ class Machine:
             log = RaftLog(persisted.snapshot, list(persisted.entries))
             hard = HardState(persisted.hard.term, persisted.hard.vote)
             m.raft = m._new_raft(persisted.hard.cluster, hard, log, now_ms)
-            m.ready.events.append(ClusterEvent("restarted", f"cluster {persisted.hard.cluster}"))
+            out.events.append(ClusterEvent("restarted", f"cluster {persisted.hard.cluster}"))
         return m, m._take_ready()
 
     def _new_inc(self) -> int:
@@ -241,6 +247,7 @@ class Machine:
             commit_index=r.commit if r else 0,
             applied_index=r.applied if r else 0,
             healthy=self._healthy(self.now_ms),
+            durable_index=self.out.durable_index_of(self.cluster, self.inc),
         )
 
     def next_deadline_ms(self) -> int:
@@ -261,6 +268,7 @@ class Machine:
     # The one entry point
 
     def handle(self, event: Input, now_ms: int) -> Ready:
+        self.out.check_free()
         self.now_ms = now_ms
         if self.mode is LEFT:
             return self._take_ready()
@@ -290,7 +298,7 @@ class Machine:
             ModelMeasured: self._on_measured,
             StageFilesFetched: self._on_fetched,
             WorkerLoaded: self._on_loaded,
-            GenerateRequested: self._on_generate,
+            GenerateRequested: lambda event, now_ms: self.router.requested(event.req, event.params, now_ms),
             GenerateCancelled: lambda event, now_ms: self.router.cancelled(event.req),
             WorkerOutput: self._on_worker_output,
             WorkerCrashed: self._on_worker_crashed,
@@ -336,9 +344,6 @@ class Machine:
     def _on_worker_crashed(self, event: WorkerCrashed, now_ms: int) -> None:
         self.facts.worker_event("crashed", event.epoch, event.fault)
 
-    def _on_generate(self, event: GenerateRequested, now_ms: int) -> None:
-        self.router.requested(event.req, event.params, now_ms)
-
     def _on_worker_output(self, event: WorkerOutput, now_ms: int) -> None:
         self.router.worker_event(
             event.epoch, event.req, event.tokens, event.text, event.done, event.finish, event.prompt_tokens, event.attempt, now_ms,
@@ -355,7 +360,17 @@ class Machine:
 
     def _take_ready(self) -> Ready:
         ready, self.ready = self.ready, Ready()
-        return ready
+        return self.out.hand_out(ready)
+
+    def advance(self, ready: Ready) -> Effects:
+        """The driver made ``ready``'s durable part durable and sent its messages: record what
+        is on disk and return what may now be observed (core/outbox.py)."""
+        return self.out.advance(ready)
+
+    def effects_of(self, ready: Ready) -> Effects:
+        """What ``advance(ready)`` will return, without advancing: for the simulator's trace,
+        which records a node's decisions when it makes them. Never acted on before advance."""
+        return self.out.effects_of(ready)
 
     # ------------------------------------------------------------------------------
     # Frames
@@ -518,7 +533,7 @@ class Machine:
         self.joining = None
         self.unhealthy_since_ms = now_ms
         self._persist_switch(base)
-        self.ready.events.append(ClusterEvent(f"cluster {reason}", cluster))
+        self.out.events.append(ClusterEvent(f"cluster {reason}", cluster))
         self.raft.campaign(now_ms, prevote=True, transfer=False)
 
     def _join(self, target: Hello, now_ms: int) -> None:
@@ -533,7 +548,7 @@ class Machine:
         self.unhealthy_since_ms = now_ms
         self._persist_switch(base)
         detail = f"{target.cluster} (from {old})" if old else target.cluster
-        self.ready.events.append(ClusterEvent("joining cluster", detail))
+        self.out.events.append(ClusterEvent("joining cluster", detail))
         self._send_join(target.src)
 
     def _send_join(self, to: NodeId) -> None:
@@ -547,7 +562,7 @@ class Machine:
         self.mode = UNFORMED
         self.joining = None
         self.started_ms = now_ms
-        self.ready.events.append(ClusterEvent("unformed", reason))
+        self.out.events.append(ClusterEvent("unformed", reason))
         self._persist_hard()
 
     def _reset_identity(self) -> None:
@@ -634,23 +649,7 @@ class Machine:
         r = self.raft
         if r is None or self.mode is not MEMBER or self.leaving or r.leader is None:
             return
-        facts = self.facts
-        current = (r.state, self.inc, facts.addresses, facts.caps, facts.ports, facts.probes)
-        if not all(map(operator.is_, current, self._ports_current)):  # (else the very objects found up to date)
-            mine = find_member(r.state, self.node_id)
-            if mine is None or mine.inc != self.inc:
-                return
-            if self.publisher.up_to_date(facts, mine):
-                self._ports_current = current
-            else:
-                for command in self.publisher.membership(facts, mine, self.inc, now_ms):
-                    self._propose(command, now_ms)
-        if facts.measure is None and not facts.fetched and not facts.loaded and not facts.crashed:
-            return  # nothing measured or reported by workers: nothing more to publish (a hot path)
-        mine = find_member(r.state, self.node_id)  # (a one-member cluster commits at once)
-        if mine is None or mine.inc != self.inc:
-            return
-        for command in self.publisher.data_plane(facts, mine, r.state, self.inc, now_ms):
+        for command in self.publisher.commands(self.facts, r, self.inc, now_ms):
             self._propose(command, now_ms)
 
     def _route(self, now_ms: int) -> None:
@@ -661,8 +660,8 @@ class Machine:
         epoch = state.active_epoch if state is not None else 0
         messages, submits, client = self.router.step(state, head, epoch, now_ms)
         self.ready.messages.extend(messages)
-        self.ready.submits.extend(submits)
-        self.ready.client.extend(client)
+        self.out.submits.extend(submits)
+        self.out.client.extend(client)
 
     # ------------------------------------------------------------------------------
     # Proposals and leaving
@@ -687,7 +686,7 @@ class Machine:
             drain_until_ms=self.leave_deadline_ms - self.settings.leave_timeout_ms,
         )
         if step is LeaveStep.TIMED_OUT:
-            self.ready.events.append(ClusterEvent("leave not confirmed", "stopping anyway"))
+            self.out.events.append(ClusterEvent("leave not confirmed", "stopping anyway"))
             self._finish_leave()
         elif step in (LeaveStep.FINISH, LeaveStep.FINISH_CONFIRMED):
             self._finish_leave(confirmed=step is LeaveStep.FINISH_CONFIRMED)
@@ -711,7 +710,7 @@ class Machine:
         self.leave_confirmed = confirmed
         self.mode = LEFT
         self.ready.left = True
-        self.ready.events.append(ClusterEvent("left cluster", self.cluster or "-"))
+        self.out.events.append(ClusterEvent("left cluster", self.cluster or "-"))
 
     # ------------------------------------------------------------------------------
     # Timers and bookkeeping after every input
@@ -762,7 +761,7 @@ class Machine:
         if leader != self._last_leader:
             self._last_leader = leader
             if leader is not None:
-                self.ready.events.append(ClusterEvent("leader elected", f"{leader} term {r.term}"))
+                self.out.events.append(ClusterEvent("leader elected", f"{leader} term {r.term}"))
         if self.leaving and applied:
             self._drive_leave(now_ms)
         if applied and self.mode is MEMBER and not self.leaving and self._removed_in(applied):
@@ -797,4 +796,4 @@ class Machine:
             if isinstance(cmd, RemoveMember) and r.role is LEADER and cmd.node_id != self.node_id:
                 ready.messages.append((cmd.node_id, RemovalNotice(self.node_id, r.cluster, cmd.node_id, cmd.inc)))
             if isinstance(cmd, (AddLearner, Promote, RemoveMember, MarkDown, MarkUp)):
-                ready.events.append(ClusterEvent(_EVENT_NAMES[type(cmd)], cmd.node_id))
+                self.out.events.append(ClusterEvent(_EVENT_NAMES[type(cmd)], cmd.node_id))

@@ -2,8 +2,10 @@
 
 Inputs are past-tense facts, each handled with the time it happened; a driver (the agent,
 the simulator) builds them from frames, timers, discovery, its own tasks and its workers.
-The output of every input is one ``Ready`` batch of effects, with the order in which a
-driver must carry them out (durable part first, then messages, then the rest).
+The output of every input is one ``Ready``: consensus output only, with the order in which a
+driver must carry it out (durable part first, then messages). Once the durable part is on
+disk the driver advances the Ready (core/outbox.py) and gets its ``Effects``: what may be
+observed only then (log lines, requests for the head worker, tokens for local clients).
 """
 from __future__ import annotations
 
@@ -235,12 +237,13 @@ class ClusterEvent:
 
 @dataclass(slots=True)
 class Ready:
-    """One batch of effects. Contract for drivers: first make the durable part durable
-    (``hard``; then ``snapshot``, which drops stored entries at or below its index; then
-    the log suffix: drop stored entries at ``log_truncate_from`` and after, append
+    """One batch of consensus output. Contract for drivers: first make the durable part
+    durable (``hard``; then ``snapshot``, which drops stored entries at or below its index;
+    then the log suffix: drop stored entries at ``log_truncate_from`` and after, append
     ``log_entries``, which start at ``max(log_truncate_from, snapshot.index + 1)`` and are
-    contiguous), then send ``messages``, then act on ``applied``, ``reads``, ``events``
-    and ``left``. Readies are handled strictly in order."""
+    contiguous), then send ``messages``, then advance it (``Machine.advance``), which returns
+    its Effects; act on ``applied``, ``reads`` and ``left`` from then on. Readies are handled
+    strictly in order."""
 
     hard: NodeHardState | None = None
     snapshot: Snapshot | None = None
@@ -249,12 +252,32 @@ class Ready:
     messages: list[tuple[NodeId, Message]] = field(default_factory=list)
     applied: list[Entry] = field(default_factory=list)
     reads: list[tuple[int, bool]] = field(default_factory=list)
-    events: list[ClusterEvent] = field(default_factory=list)
     left: bool = False
-    submits: list[WorkerSubmit] = field(default_factory=list)
-    """Requests for the local head worker (after the messages)."""
-    client: list[ClientEvent] = field(default_factory=list)
+
+    def durable_part(self) -> bool:
+        """Whether there is anything to write (hard state, snapshot or log)."""
+        return self.hard is not None or self.snapshot is not None or self.log_truncate_from is not None
+
+    def empty(self) -> bool:
+        """Nothing to write, send or act on."""
+        return not (self.hard is not None or self.snapshot is not None or self.log_truncate_from is not None
+                    or self.messages or self.applied or self.reads or self.left)
+
+
+@dataclass(frozen=True, slots=True)
+class Effects:
+    """What one Ready lets the driver show or act on once it is durable (``advance``): a
+    request the head worker serves, a token a client reads, a line in the log must never
+    stand on a decision a crash could take back."""
+
+    events: tuple[ClusterEvent, ...] = ()
+    submits: tuple[WorkerSubmit, ...] = ()
+    """Requests for the local head worker."""
+    client: tuple[ClientEvent, ...] = ()
     """Tokens and ends of requests local clients asked for."""
+
+
+NO_EFFECTS = Effects()
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,5 +292,7 @@ class Status:
     commit_index: int
     applied_index: int
     healthy: bool
+    durable_index: int = 0
+    """The last index of this log that the driver has made durable (``advance``)."""
 
 

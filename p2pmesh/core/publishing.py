@@ -10,8 +10,11 @@ differs (a proposal can be lost with a leader), never more often.
 """
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from p2pmesh.core.cluster import find_member
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import (
     Capabilities,
@@ -30,6 +33,7 @@ from p2pmesh.core.messages import (
     WorkerFault,
     WorkerReady,
 )
+from p2pmesh.core.raft import Raft
 
 EPOCHS_KEPT = 3
 """Data-plane epochs remembered per kind of worker report (the current one and two before)."""
@@ -73,6 +77,29 @@ class Publisher:
         self._sent: dict[str, tuple[object, int]] = {}
         self._failure_committed = False
         """Our MeasureFailed was committed (cluster.py may then forget it, see data_plane)."""
+        self._up_to_date: tuple[object, ...] = (None,) * 6
+        """(committed state, incarnation, addresses, caps, ports, probes) when the committed
+        member last matched the local facts: nothing to publish while they stay the same."""
+
+    def commands(self, facts: LocalFacts, r: Raft, inc: int, now_ms: int) -> Iterator[Command]:
+        """What to propose, one command at a time: the caller proposes each before the next
+        is made (a one-member cluster commits at once, and the data-plane rules read the
+        state that follows)."""
+        current = (r.state, inc, facts.addresses, facts.caps, facts.ports, facts.probes)
+        if not all(map(operator.is_, current, self._up_to_date)):  # (else the very objects found up to date)
+            mine = find_member(r.state, self.node_id)
+            if mine is None or mine.inc != inc:
+                return
+            if self.up_to_date(facts, mine):
+                self._up_to_date = current
+            else:
+                yield from self.membership(facts, mine, inc, now_ms)
+        if facts.measure is None and not facts.fetched and not facts.loaded and not facts.crashed:
+            return  # nothing measured or reported by workers: nothing more to publish (a hot path)
+        mine = find_member(r.state, self.node_id)
+        if mine is None or mine.inc != inc:
+            return
+        yield from self.data_plane(facts, mine, r.state, inc, now_ms)
 
     def measured(self, facts: LocalFacts, measure: Measure | MeasureFailed) -> None:
         facts.measure, self._failure_committed = measure, False

@@ -62,14 +62,14 @@ def test_a_request_goes_to_the_head_and_its_tokens_come_back() -> None:
     origin = next(n for n in ids if n != head)
     d.handle(origin, GenerateRequested("r1", GenerateParams("hi", (), 2, 0.0, 1.0, 0)))
     d.run(100)
-    submits = [s for r in d.readies[head] for s in r.submits]
+    submits = [s for fx in d.effects[head] for s in fx.submits]
     assert [s.req for s in submits] == ["r1"]
     epoch = submits[0].epoch
     attempt = submits[0].attempt
     d.handle(head, WorkerOutput(epoch, "r1", (7,), "a", False, "", (1, 2), attempt))
     d.handle(head, WorkerOutput(epoch, "r1", (8,), "b", True, "length", (), attempt))
     d.run(100)
-    events = [e for r in d.readies[origin] for e in r.client]
+    events = [e for fx in d.effects[origin] for e in fx.client]
     assert [e.tokens for e in events] == [(7,), (8,)] and events[-1].done and events[-1].finish == "length"
 
 
@@ -96,7 +96,7 @@ def test_a_stage_going_down_moves_the_cluster_to_a_new_epoch_and_the_request_res
     assert d.run_until(lambda: _state(leader_of(d)).active_epoch == new.placement_epoch, 5_000)
     new_head = new.placement[0].node_id
     d.run(200)
-    resubmitted = [s for r in d.readies[new_head] for s in r.submits if s.epoch == new.placement_epoch]
+    resubmitted = [s for fx in d.effects[new_head] for s in fx.submits if s.epoch == new.placement_epoch]
     assert len(resubmitted) == 1
     if head != victim:  # the one token already generated is kept: only the rest is asked for
         assert resubmitted[0].params.prompt_tokens == (1, 2, 7) and resubmitted[0].params.max_tokens == 4

@@ -27,7 +27,7 @@ from p2pmesh.core.messages import (
     SetPlacement,
     Stage,
 )
-from p2pmesh.core.placement import ModelSpec, NodeSpec, PlacementError, solve_placement
+from p2pmesh.core.placement import ModelSpec, NodeSpec, PlacementError, Plan, solve_placement
 from tests.core.test_machine import Driver, formed, leader_of, node_ids
 
 LAYERS = 8
@@ -201,6 +201,16 @@ def _one_mac(memory: int, batch: int) -> ClusterState:
     return replace(state, model=replace(state.model, batch=batch))
 
 
+def test_a_slower_mac_is_not_brought_in_for_concurrency() -> None:
+    # Two Macs: a fast one that holds the model with KV for 2 requests, a slow one with room
+    # to spare. Serving one request, the fast one alone is best; the batch is what it holds.
+    members = _cluster([Measure("tiny", 9000 + 8000 * 2, 0.1), Measure("tiny", 10**6, 5.0)])
+    assert members.model is not None
+    state = replace(members, model=replace(members.model, batch=8))
+    proposal = dataplane.negotiate(state)
+    assert isinstance(proposal, SetPlacement) and proposal.stages == (Stage("n0", 0, 8),) and proposal.batch == 2
+
+
 def test_the_placement_reserves_kv_for_the_asked_batch_and_serves_fewer_where_memory_is_short() -> None:
     # One stage holds 8 layers of 1,000 bytes, 1,000 of embeddings and head, and 8 x 1,000
     # bytes of KV cache per request served at once (100 tokens x 10 bytes per layer).
@@ -254,23 +264,30 @@ def test_largest_batch_finds_the_most_that_fits_in_few_plans(asked: int, fits_up
 
 @settings(max_examples=60, deadline=None)
 @given(memories=st.lists(st.integers(3000, 60_000), min_size=1, max_size=4), asked=st.integers(1, 12))
-def test_the_batch_placed_is_the_largest_any_plan_fits(memories: list[int], asked: int) -> None:
+def test_the_batch_placed_is_the_largest_the_macs_chosen_for_one_request_fit(memories: list[int], asked: int) -> None:
     state = _cluster([Measure("tiny", m, 0.5) for m in memories])
     assert state.model is not None
     state = replace(state, model=replace(state.model, batch=asked))
     proposal = dataplane.negotiate(state)
     nodes = fit.planned_nodes(state)
 
-    def fits(batch: int) -> bool:
+    def plan(batch: int, on: list[NodeSpec]) -> Plan | None:
         try:
-            solve_placement(fit.model_spec(state.model, batch), nodes, [])  # type: ignore[arg-type]
-            return True
+            return solve_placement(fit.model_spec(state.model, batch), on, [])  # type: ignore[arg-type]
         except PlacementError:
-            return False
+            return None
 
+    single = plan(1, nodes)
     if proposal is None:  # nothing fits: nothing to place (and nothing was placed)
-        assert not fits(1)
+        assert single is None
         return
-    assert isinstance(proposal, SetPlacement) and proposal.stages
+    assert isinstance(proposal, SetPlacement) and proposal.stages and single is not None
+    # Concurrency never brings in a Mac the one-request plan (chosen for speed) leaves out.
+    used = [n for n in nodes if n.node_id in {s.node_id for s in single.stages}]
+    assert {s.node_id for s in proposal.stages} <= {n.node_id for n in used}
+
+    def fits(batch: int) -> bool:
+        return plan(batch, used) is not None
+
     assert fits(proposal.batch) and 1 <= proposal.batch <= asked
     assert proposal.batch == asked or not fits(proposal.batch + 1)

@@ -46,5 +46,5 @@ def test_a_leave_nobody_confirms_is_reported_unconfirmed() -> None:
     d.handle(f.node_id, LeaveRequested())
     assert d.run_until(lambda: f.node_id not in d.machines, d.settings.leave_timeout_ms + 1_000)
     assert not f.leave_confirmed
-    kinds = [e.kind for ready in d.readies[f.node_id] for e in ready.events]
+    kinds = [e.kind for fx in d.effects[f.node_id] for e in fx.events]
     assert "leave not confirmed" in kinds

@@ -20,6 +20,7 @@ from p2pmesh.core.errors import RemoteProtocolError
 from p2pmesh.core.identity import Identity
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.machine import (
+    Effects,
     FrameReceived,
     Input,
     LeaveRequested,
@@ -67,6 +68,21 @@ def node_ids(n: int, seed: int = 0) -> list[NodeId]:
     return [Identity.from_seed(rng.getrandbits(256).to_bytes(32, "big")).node_id for _ in range(n)]
 
 
+def booted(node_id: NodeId, seed: int, *, persisted: PersistedState | None = None, caps: Capabilities | None = None) -> Machine:
+    """A machine whose first Ready is saved and advanced (a driver whose disk never fails)."""
+    extra = {"caps": caps} if caps is not None else {}
+    m, ready = Machine.boot(node_id=node_id, persisted=persisted, settings=Settings(), rng=random.Random(seed), now_ms=0, **extra)
+    m.advance(ready)
+    return m
+
+
+def step(m: Machine, event: Input, now_ms: int) -> Ready:
+    """``handle``, then ``advance`` (the Ready saved and sent, as a driver does)."""
+    ready = m.handle(event, now_ms)
+    m.advance(ready)
+    return ready
+
+
 @dataclass
 class Driver:
     """Instant FIFO delivery through the wire codec; a SimDisk per node, synced at once."""
@@ -78,6 +94,8 @@ class Driver:
     disks: dict[NodeId, SimDisk] = field(default_factory=dict)
     queue: deque[tuple[NodeId, NodeId, bytes]] = field(default_factory=deque)
     readies: dict[NodeId, list[Ready]] = field(default_factory=dict)
+    effects: dict[NodeId, list[Effects]] = field(default_factory=dict)
+    """What advancing each Ready returned (saved, sent, then advanced: the agent's order)."""
     cut: set[NodeId] = field(default_factory=set)
     watch: dict[NodeId, list[str]] = field(default_factory=dict)
     """Nodes whose status().role is recorded after every input (changes only)."""
@@ -95,6 +113,7 @@ class Driver:
         )
         self.machines[node] = m
         self.readies.setdefault(node, [])
+        self.effects.setdefault(node, [])
         self._process(node, ready)
         return m
 
@@ -122,6 +141,7 @@ class Driver:
         disk.sync()
         for dst, msg in ready.messages:
             self.queue.append((node, dst, wire.encode(msg)))
+        self.effects[node].append(self.machines[node].advance(ready))
         if ready.left:
             del self.machines[node]
         roles = self.watch.get(node)
@@ -241,7 +261,7 @@ def test_driver_formation_of_three_nodes_yields_one_cluster() -> None:
     r = leader.raft
     assert r is not None
     assert r.config.voters == tuple(sorted((Peer(m.node_id, m.inc) for m in ms), key=lambda p: p.node_id))
-    events = [e.kind for rs in d.readies.values() for ready in rs for e in ready.events]
+    events = [e.kind for fxs in d.effects.values() for fx in fxs for e in fx.events]
     assert events.count("cluster formed") == 1
     assert events.count("joining cluster") == 2
     assert "member promoted to voter" in events
@@ -278,8 +298,8 @@ def test_reads_on_a_formed_cluster_and_on_an_unformed_node() -> None:
     d.run(100)
     reads = [r for ready in d.readies[f.node_id] for r in ready.reads]
     assert reads == [(5, True)]
-    m, _ = Machine.boot(node_id=node_ids(1, 99)[0], persisted=None, settings=Settings(), rng=random.Random(1), now_ms=0)
-    assert m.handle(ReadRequested(6), 1).reads == [(6, False)]
+    m = booted(node_ids(1, 99)[0], 1)
+    assert step(m, ReadRequested(6), 1).reads == [(6, False)]
 
 
 def test_restart_from_disk_rejoins_as_the_same_incarnation() -> None:
@@ -290,7 +310,7 @@ def test_restart_from_disk_rejoins_as_the_same_incarnation() -> None:
     d.run(300)
     m = d.boot(node, ids.index(node) + 1)
     assert m.mode is Mode.MEMBER and m.inc == inc and m.cluster == cluster
-    assert [e.kind for e in d.readies[node][-1].events] == ["restarted"]
+    assert [e.kind for e in d.effects[node][-1].events] == ["restarted"]
     assert d.run_until(d.converged, 5_000)
     assert d.machines[node].inc == inc
 
@@ -302,7 +322,7 @@ def test_graceful_leave_of_a_follower_removes_it() -> None:
     d.handle(node, LeaveRequested())
     assert d.run_until(lambda: node not in d.machines, d.settings.leave_timeout_ms + 1_000)
     assert any(ready.left for ready in d.readies[node])
-    assert "left cluster" in [e.kind for ready in d.readies[node] for e in ready.events]
+    assert "left cluster" in [e.kind for fx in d.effects[node] for e in fx.events]
     d.run(300)
     leader = leader_of(d)
     assert node not in {p.node_id for p in leader.raft.config.voters}  # type: ignore[union-attr]
@@ -321,7 +341,7 @@ def test_graceful_leave_is_confirmed_without_waiting_for_the_timeout() -> None:
     node, inc = f.node_id, f.inc
     d.handle(node, LeaveRequested())
     assert d.run_until(lambda: node not in d.machines, 1_000)
-    kinds = [e.kind for ready in d.readies[node] for e in ready.events]
+    kinds = [e.kind for fx in d.effects[node] for e in fx.events]
     assert "leave not confirmed" not in kinds
     assert "left cluster" in kinds
     leader = leader_of(d)
@@ -420,10 +440,10 @@ def test_raft_frames_for_another_cluster_or_incarnation_are_rejected() -> None:
 
 
 def test_raft_frame_to_an_unformed_node_is_rejected() -> None:
-    m, _ = Machine.boot(node_id=node_ids(2)[0], persisted=None, settings=Settings(), rng=random.Random(2), now_ms=0)
+    m = booted(node_ids(2)[0], 2)
     src = node_ids(2)[1]
     msg = AppendEntries(Header(ClusterId("c"), src, 1, m.node_id, m.inc, 1), 0, 0, (), 0, 0)
-    ready = m.handle(FrameReceived(src, wire.encode(msg)), 1)
+    ready = step(m, FrameReceived(src, wire.encode(msg)), 1)
     assert m.rejected_frames == 1
     assert ready.messages == [] and m.mode is Mode.UNFORMED and m.raft is None
 
@@ -474,9 +494,9 @@ def _decodes(data: bytes) -> bool:
 @given(st.binary(max_size=200))
 def test_random_garbage_never_raises(data: bytes) -> None:
     assume(not _decodes(data))
-    m, _ = Machine.boot(node_id=node_ids(1)[0], persisted=None, settings=Settings(), rng=random.Random(3), now_ms=0)
+    m = booted(node_ids(1)[0], 3)
     for i in range(3):
-        ready = m.handle(FrameReceived(node_ids(2)[1], data), i)
+        ready = step(m, FrameReceived(node_ids(2)[1], data), i)
         assert ready.messages == []
     assert m.rejected_frames == 3
     assert m.mode is Mode.UNFORMED
@@ -488,16 +508,16 @@ def test_random_garbage_never_raises(data: bytes) -> None:
     ids=lambda v: type(v).__name__,
 )
 def test_non_message_values_are_rejected_not_raised(value: object) -> None:
-    m, _ = Machine.boot(node_id=node_ids(1)[0], persisted=None, settings=Settings(), rng=random.Random(4), now_ms=0)
-    ready = m.handle(FrameReceived(NodeId("s"), wire.encode(value)), 1)
+    m = booted(node_ids(1)[0], 4)
+    ready = step(m, FrameReceived(NodeId("s"), wire.encode(value)), 1)
     assert m.rejected_frames == 1
     assert ready.messages == []
 
 
 def test_unhashable_nested_tag_does_not_crash_the_machine() -> None:
-    m, _ = Machine.boot(node_id=node_ids(1)[0], persisted=None, settings=Settings(), rng=random.Random(5), now_ms=0)
+    m = booted(node_ids(1)[0], 5)
     data = msgpack.packb([1, 50, "s", 1, None, 0, False, None, [], [[1], 5, "x"]])
-    m.handle(FrameReceived(NodeId("s"), data), 1)
+    step(m, FrameReceived(NodeId("s"), data), 1)
     assert m.rejected_frames == 1
 
 
@@ -583,12 +603,12 @@ def test_status_healthy_goes_false_when_the_leader_is_long_silent() -> None:
     state = ClusterState(cluster, tuple(sorted(state_members, key=lambda x: x.node_id)), 0, (), ())
     snap = Snapshot(10, 3, Config((theirs,), (mine,)), state)
     persisted = PersistedState(NodeHardState(cluster, 5, 3, None), snap, ())
-    m, _ = Machine.boot(node_id=me, persisted=persisted, settings=Settings(), rng=random.Random(9), now_ms=0)
+    m = booted(me, 9, persisted=persisted)
     beat = AppendEntries(Header(cluster, boss, 7, me, 5, 3), 10, 3, (), 10, 0)
-    m.handle(FrameReceived(boss, wire.encode(beat)), 100)
+    step(m, FrameReceived(boss, wire.encode(beat)), 100)
     assert m.status().role == "learner" and m.status().healthy
-    m.handle(PeerDiscovered(NodeId("f" * 32), ()), 20_000)
-    ready = m.handle(TimerFired(), 20_000)
+    step(m, PeerDiscovered(NodeId("f" * 32), ()), 20_000)
+    ready = step(m, TimerFired(), 20_000)
     hellos = [x for _, x in ready.messages if isinstance(x, Hello)]
     assert hellos and not hellos[0].healthy  # the machine knows it is unhealthy ...
     assert m.status().healthy is False  # ... but status() says otherwise
@@ -596,9 +616,9 @@ def test_status_healthy_goes_false_when_the_leader_is_long_silent() -> None:
 
 def test_peer_discovery_of_self_is_ignored_and_hello_is_sent_to_others() -> None:
     node, other = node_ids(2, 10)
-    m, _ = Machine.boot(node_id=node, persisted=None, settings=Settings(), rng=random.Random(10), now_ms=0, caps=CAPS)
-    assert m.handle(PeerDiscovered(node, ("x",)), 1).messages == []
-    ready = m.handle(PeerDiscovered(other, ("10.0.0.2",)), 1)
+    m = booted(node, 10, caps=CAPS)
+    assert step(m, PeerDiscovered(node, ("x",)), 1).messages == []
+    ready = step(m, PeerDiscovered(other, ("10.0.0.2",)), 1)
     ((dst, hello),) = ready.messages
     assert dst == other
     assert hello == Hello(node, m.inc, None, 0, False, None, (), CAPS)
@@ -606,8 +626,8 @@ def test_peer_discovery_of_self_is_ignored_and_hello_is_sent_to_others() -> None
 
 def test_join_request_to_an_unformed_node_is_refused() -> None:
     node, other = node_ids(2, 11)
-    m, _ = Machine.boot(node_id=node, persisted=None, settings=Settings(), rng=random.Random(11), now_ms=0)
-    ready = m.handle(FrameReceived(other, wire.encode(JoinRequest(other, 3, ClusterId("c"), (), CAPS))), 1)
+    m = booted(node, 11)
+    ready = step(m, FrameReceived(other, wire.encode(JoinRequest(other, 3, ClusterId("c"), (), CAPS))), 1)
     ((dst, reply),) = ready.messages
     assert dst == other
     assert isinstance(reply, JoinReply) and not reply.accepted and reply.leader is None
@@ -616,7 +636,7 @@ def test_join_request_to_an_unformed_node_is_refused() -> None:
 def test_boot_is_deterministic() -> None:
     def run() -> list[tuple[str, ...]]:
         d, ids = formed(3, seed=12)
-        return [tuple(e.kind for ready in d.readies[i] for e in ready.events) for i in ids]
+        return [tuple(e.kind for fx in d.effects[i] for e in fx.events) for i in ids]
 
     assert run() == run()
 

@@ -170,6 +170,7 @@ def test_a_real_machine_boots_from_what_it_saved(tmp_path: Path) -> None:
             st.save(ready)
             disk.write(ready)
             disk.sync()
+            machine.advance(ready)
             if step % 3 == 0 and machine.status().role in ("leader", "standalone"):
                 ready = machine.handle(ProposalRequested(Put(f"k{step}", "v")), now)
             else:
@@ -178,10 +179,13 @@ def test_a_real_machine_boots_from_what_it_saved(tmp_path: Path) -> None:
         st.save(ready)
         disk.write(ready)
         disk.sync()
+        machine.advance(ready)
     with Storage.open(tmp_path) as st:
         persisted = st.load()
     assert persisted == disk.load()
     assert persisted is not None and persisted.snapshot.index >= 16, "the run should have compacted"
+    # What the core was told is durable is what the storage holds.
+    assert machine.status().durable_index == (persisted.entries[-1].index if persisted.entries else persisted.snapshot.index)
     rebooted, _ = Machine.boot(node_id=A, persisted=persisted, settings=settings, rng=random.Random(8), now_ms=now)
     assert rebooted.raft is not None and machine.raft is not None
     assert rebooted.raft.log.last_index == machine.raft.log.last_index

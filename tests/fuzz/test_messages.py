@@ -54,7 +54,7 @@ def _busy_world() -> tuple[World, list[tuple[NodeId, NodeId, Message]]]:
     install and a leave; returns the world (3 live members) and every message sent."""
     w = World(5, nodes=4, settings=dataclasses.replace(Settings(), snapshot_every_entries=16))
     sent: list[tuple[NodeId, NodeId, Message]] = []
-    w.observers.append(lambda node, ready: sent.extend((node.node_id, dst, m) for dst, m in ready.messages))
+    w.observers.append(lambda node, ready, effects: sent.extend((node.node_id, dst, m) for dst, m in ready.messages))
     for n in w.nodes:
         w.boot(n)
     assert w.run_until(5_000_000, stop=w.converged)
@@ -165,7 +165,7 @@ def _mutated(draw: st.DrawFn) -> tuple[NodeId, NodeId, bytes]:
 # A machine's whole state, as a comparable tree
 
 _NOT_STATE = frozenset({"rejected_frames", "malformed_frames", "now_ms", "last_heard",
-                        "_ports_current", "_quiet_members", "_voter_in"})
+                        "_up_to_date", "_quiet_members", "_voter_in"})
 """The refusal counters (they must move), the time of the last input (an input), when each
 peer was last heard from (checked on its own: a stale frame still proves its sender alive),
 and what the bookkeeping after every input remembers of its last look at the state (caches:

@@ -15,7 +15,7 @@ from typing import Any
 import mlx_lm
 import pytest
 
-from scripts.make_tiny_model import make_tiny_model
+from tests.fixtures.tiny_model import make_tiny_model
 from tests.worker.test_pipeline_generation import greedy_reference
 from tests.worker.worker_cluster import Cluster, ClusterError
 
