@@ -44,6 +44,7 @@ from typing import Any
 import mlx.core as mx
 
 from p2pmesh.worker.model import Shard
+from p2pmesh.worker.ring_wake import wait_readable
 from p2pmesh.worker.sampling import sample, step_key_seed
 from p2pmesh.worker.scheduler import PrefillStep, ReleaseStep, Row, Step
 
@@ -137,10 +138,13 @@ def _signed(x: int) -> int:
 class Link:
     """This rank's two ring neighbours over an mx.distributed group. Every operation is
     evaluated before it returns (one at a time, on the CPU stream, where MLX's collectives
-    live and clear of the Metal command-buffer watchdog)."""
+    live and clear of the Metal command-buffer watchdog). `wake`: the left sockets'
+    fds (worker/ring_wake.py): a recv first sleeps until they are readable, instead of
+    letting MLX's socket thread spin a core for the whole wait."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, wake: Sequence[int] = ()) -> None:
         self.group = group
+        self.wake = tuple(wake)
         self.rank, self.size = group.rank(), group.size()
         self.right, self.left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
 
@@ -148,6 +152,7 @@ class Link:
         mx.eval(mx.distributed.send(x, self.right, group=self.group, stream=mx.cpu))
 
     def recv(self, shape: Sequence[int], dtype: Any) -> mx.array:
+        wait_readable(self.wake)
         got = mx.distributed.recv(tuple(shape), dtype, self.left, group=self.group, stream=mx.cpu)
         mx.eval(got)
         return got

@@ -190,6 +190,7 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
     from p2pmesh.worker.model import ModelError, load_shard, load_tokenizer, resolve_model
     from p2pmesh.worker.pipeline import PREFILL_CHUNK, Engine, Link, Stage, serve_stage
     from p2pmesh.worker.ring_check import EnvError, read_env, read_hosts, ring_fault
+    from p2pmesh.worker.ring_wake import left_sockets
 
     rank, size = args.rank, len(stages)
     link: Link | None = None
@@ -212,7 +213,10 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
     try:
         if size >= 2:
             # init() once per process: MLX caches the group for the life of the process.
-            link = Link(mx.distributed.init(backend=args.backend, strict=True))
+            group = mx.distributed.init(backend=args.backend, strict=True)
+            # The ring backend's left sockets, to sleep on between steps (ring_wake.py).
+            own = read_hosts(os.environ["MLX_HOSTFILE"])[rank] if args.backend == "ring" else []
+            link = Link(group, left_sockets(own))
     except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError for a group that cannot form
         fault = ring_fault(str(e), rank, read_hosts(os.environ["MLX_HOSTFILE"])) if args.backend == "ring" else None
         return _fail(emitter, EXIT_FAILED, f"{type(e).__name__}: {e}", fault=fault)
