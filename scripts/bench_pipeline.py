@@ -78,9 +78,9 @@ def hop_worker(hidden: int, hops: int) -> None:
     rank 1 echoes."""
     import mlx.core as mx
 
-    from p2pmesh.worker.pipeline import DTYPE_CODES, OP_DECODE, Header, Link, WireRow, decode_rows
+    from p2pmesh.worker.pipeline import DTYPE_CODES, OP_DECODE, Header, Link, WireRow
 
-    link = Link(mx.distributed.init(backend="ring", strict=True))
+    link = Link(mx.distributed.init(backend="ring", strict=True), hidden)
     x = mx.random.normal((1, 1, hidden))
     token = mx.array([7], dtype=mx.int32)
     header = Header(OP_DECODE, 1, 1, DTYPE_CODES[mx.float32])
@@ -95,16 +95,14 @@ def hop_worker(hidden: int, hops: int) -> None:
             times.append(time.perf_counter() - t0)
         else:
             link.send(link.recv((1, 1, hidden), mx.float32))
-    for _ in range(hops + 20):  # what one decode step moves: header + rows + activation, token back
+    for _ in range(hops + 20):  # what one decode step moves: its frame (header, rows, activation), token back
         if link.rank == 0:
             t0 = time.perf_counter()
-            link.send_step(header, rows, x)
+            link.send_frame(header, rows, x)
             link.recv((1,), mx.int32)
             step_times.append(time.perf_counter() - t0)
         else:
-            link.recv_header()
-            decode_rows(link.recv((8,), mx.int32))
-            link.recv((1, 1, hidden), mx.float32)
+            link.recv_frame(hidden)
             link.send(token)
     link.drain()
     if link.rank == 0:

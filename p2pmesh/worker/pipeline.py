@@ -10,18 +10,24 @@ the last rank sends the sampled tokens to its right neighbour, rank 0. So every 
 sends right and receives from the left, the ring's two natural directions.
 
 Messages (all on the CPU stream, each evaluated on its own: evaluating a send and a recv
-together may run the recv first on every rank and hang the ring):
-  1. a header, int32[HEADER_WORDS] = [MAGIC, op, rows R, length L, dtype code, group, 0, 0]
+together may run the recv first on every rank and hang the ring). A step travels as one
+frame: `Link.frame` bytes (frame_bytes(hidden), the same on every rank), then, only when
+its payload does not fit, one more message with the rest. A decode step of up to
+FRAME_ROWS rows fits, so it costs one message per hop (PMP2 sent three: header, rows,
+activation; each a wake-up, a thread hand-off and an eval on both sides). A frame holds:
+  1. a header, int32[HEADER_WORDS] = [MAGIC, op, rows R, length L, dtype code, group,
+     payload bytes, 0]
      op PREFILL (a chunk of one request's prompt, R = 1), DECODE (one token for each of
      the R requests of decode group `group`, L = 1), RELEASE (forget R requests) or SHUTDOWN;
-  2. for PREFILL/DECODE/RELEASE the rows, int32[R * ROW_WORDS], one per request:
+  2. the payload: for PREFILL/DECODE/RELEASE the rows, int32[R * ROW_WORDS], one per request:
        [request number, position, flags, temperature bits (float32), top_p bits (float32),
         key seed low 32, key seed high 32, 0]
      flags FIRST (PREFILL: the request's caches start empty) and SAMPLE (sample the row's
      last position); position = tokens already in the request's caches (each stage checks:
-     a mismatch means the pipeline lost sync and the worker exits);
-  3. for PREFILL/DECODE the activation [R, L, hidden] in the dtype the header names;
-  4. when any row samples, the last rank sends int32[number of sampled rows] to rank 0.
+     a mismatch means the pipeline lost sync and the worker exits); then for PREFILL/DECODE
+     the activation [R, L, hidden] in the dtype the header names (its bytes as they are);
+  3. zero padding up to the frame size.
+When any row samples, the last rank sends int32[number of sampled rows] to rank 0.
 SHUTDOWN goes once around the ring (0 -> 1 -> ... -> n-1 -> 0), so when rank 0 gets it
 back every rank has left its loop; then all drain (synchronize, barrier all_sum) and exit.
 
@@ -51,7 +57,14 @@ from p2pmesh.worker.scheduler import PrefillStep, ReleaseStep, Row, Step
 PREFILL_CHUNK = 128
 HEADER_WORDS = 8
 ROW_WORDS = 8
-MAGIC = 0x504D5032  # "PMP2": the batched wire (PMP1 carried one request)
+HEADER_BYTES, ROW_BYTES = 4 * HEADER_WORDS, 4 * ROW_WORDS
+MAGIC = 0x504D5033  # "PMP3": one frame per step (PMP2 sent header, rows, activation apart)
+FRAME_ROWS = 8
+"""A decode step of this many rows (float32 activations) fits in one frame."""
+FRAME_ALIGN = 4096
+FRAME_MAX = 256 << 10
+"""Every frame is sent whole, so a large model's frame stays bounded: its decode steps
+then take two messages, as a prefill chunk does."""
 OP_PREFILL, OP_DECODE, OP_SHUTDOWN, OP_RELEASE = 1, 2, 3, 4
 FLAG_FIRST, FLAG_SAMPLE = 1, 2
 DTYPES: dict[int, Any] = {1: mx.float32, 2: mx.float16, 3: mx.bfloat16}
@@ -70,17 +83,20 @@ class Header:
     length: int = 0
     dtype: int = 1
     group: int = 0
+    payload: int = 0
+    """Bytes after the header: the rows, then the activation."""
 
     def encode(self) -> mx.array:
-        return mx.array([_signed(MAGIC), self.op, self.rows, self.length, self.dtype, self.group, 0, 0], dtype=mx.int32)
+        return mx.array([_signed(MAGIC), self.op, self.rows, self.length, self.dtype, self.group, self.payload, 0],
+                        dtype=mx.int32)
 
     @classmethod
     def decode(cls, arr: mx.array) -> Header:
         w = [int(x) for x in arr.tolist()]
         if len(w) != HEADER_WORDS or w[0] != _signed(MAGIC):
             raise PipelineError(f"bad pipeline header {w}: ranks out of sync")
-        h = cls(w[1], w[2], w[3], w[4], w[5])
-        ok = h.op == OP_SHUTDOWN or (h.op == OP_RELEASE and h.rows >= 1) or (
+        h = cls(w[1], w[2], w[3], w[4], w[5], w[6])
+        ok = h.payload >= 0 and h.op == OP_SHUTDOWN or (h.op == OP_RELEASE and h.rows >= 1) or (
             h.op in (OP_PREFILL, OP_DECODE) and h.rows >= 1 and h.length >= 1 and h.dtype in DTYPES
             and (h.op == OP_DECODE or h.rows == 1))
         if not ok:
@@ -131,6 +147,12 @@ def decode_rows(arr: mx.array) -> list[WireRow]:
     return rows
 
 
+def frame_bytes(hidden: int) -> int:
+    """The frame size for a model of this hidden size (see the module comment)."""
+    need = HEADER_BYTES + FRAME_ROWS * (ROW_BYTES + 4 * hidden)
+    return min(FRAME_MAX, -(-need // FRAME_ALIGN) * FRAME_ALIGN)
+
+
 def _signed(x: int) -> int:
     return x - (1 << 32) if x >= 1 << 31 else x
 
@@ -142,8 +164,9 @@ class Link:
     fds (worker/ring_wake.py): a recv first sleeps until they are readable, instead of
     letting MLX's socket thread spin a core for the whole wait."""
 
-    def __init__(self, group: Any, wake: Sequence[int] = ()) -> None:
+    def __init__(self, group: Any, hidden: int, wake: Sequence[int] = ()) -> None:
         self.group = group
+        self.frame = frame_bytes(hidden)
         self.wake = tuple(wake)
         self.rank, self.size = group.rank(), group.size()
         self.right, self.left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
@@ -157,17 +180,36 @@ class Link:
         mx.eval(got)
         return got
 
-    def send_header(self, h: Header) -> None:
-        self.send(h.encode())
-
-    def recv_header(self) -> Header:
-        return Header.decode(self.recv((HEADER_WORDS,), mx.int32))
-
-    def send_step(self, h: Header, rows: Sequence[WireRow], x: mx.array | None) -> None:
-        self.send_header(h)
-        self.send(encode_rows(rows))
+    def send_frame(self, h: Header, rows: Sequence[WireRow] = (), x: mx.array | None = None) -> None:
+        """One step to the right neighbour: a frame, and the rest of its payload if any."""
+        parts = [encode_rows(rows).view(mx.uint8)] if rows else []
         if x is not None:
-            self.send(x)
+            parts.append(x.reshape(-1).view(mx.uint8))
+        payload = sum(p.size for p in parts)
+        head = Header(h.op, h.rows, h.length, h.dtype, h.group, payload).encode().view(mx.uint8)
+        pad = self.frame - HEADER_BYTES - payload
+        body = mx.concatenate([head, *parts, *([mx.zeros((pad,), mx.uint8)] if pad > 0 else [])])
+        if pad >= 0:
+            self.send(body)
+        else:
+            self.send(body[: self.frame])
+            self.send(body[self.frame :])
+
+    def recv_frame(self, hidden: int) -> tuple[Header, list[WireRow], mx.array | None]:
+        """The left neighbour's next step: its header, rows and activation [R, L, hidden]
+        (None for RELEASE and SHUTDOWN)."""
+        buf = self.recv((self.frame,), mx.uint8)
+        h = Header.decode(buf[:HEADER_BYTES].view(mx.int32))
+        acts = h.op in (OP_PREFILL, OP_DECODE)
+        width = h.rows * h.length * hidden * DTYPES[h.dtype].size if acts else 0
+        if h.payload != h.rows * ROW_BYTES + width:
+            raise PipelineError(f"frame {h} carries {h.payload} bytes, its rows and activation take {h.rows * ROW_BYTES + width}")
+        end = HEADER_BYTES + h.payload
+        if end > self.frame:
+            buf = mx.concatenate([buf, self.recv((end - self.frame,), mx.uint8)])
+        rows = decode_rows(buf[HEADER_BYTES : HEADER_BYTES + h.rows * ROW_BYTES].view(mx.int32)) if h.rows else []
+        x = buf[end - width : end].view(DTYPES[h.dtype]).reshape(h.rows, h.length, hidden) if acts else None
+        return h, rows, x
 
     def drain(self) -> None:
         """Finish pending work, then a barrier, so no rank closes its sockets while a
@@ -315,7 +357,7 @@ class Engine:
         if isinstance(step, ReleaseStep):
             self.stage.release(step.nos)
             if self.link is not None:
-                self.link.send_step(Header(OP_RELEASE, len(step.nos)), [WireRow(no, 0) for no in step.nos], None)
+                self.link.send_frame(Header(OP_RELEASE, len(step.nos)), [WireRow(no, 0) for no in step.nos])
             self.pending.append((step, 0, []))
             return
         if isinstance(step, PrefillStep):
@@ -329,7 +371,7 @@ class Engine:
         if self.link is None:
             self.pending.append((step, 0, sample_rows(out, rows)))
             return
-        self.link.send_step(Header(op, len(rows), len(ids[0]), DTYPE_CODES[out.dtype], group), rows, out)
+        self.link.send_frame(Header(op, len(rows), len(ids[0]), DTYPE_CODES[out.dtype], group), rows, out)
         sampled = sum(1 for r in rows if r.sample)
         self.pending.append((step, sampled, None if sampled else []))
 
@@ -348,8 +390,8 @@ class Engine:
         """Send SHUTDOWN around the ring and wait for it to come back, then drain."""
         if self.link is None:
             return
-        self.link.send_header(Header(OP_SHUTDOWN))
-        back = self.link.recv_header()
+        self.link.send_frame(Header(OP_SHUTDOWN))
+        back, _, _ = self.link.recv_frame(self.stage.shard.hidden_size)
         if back.op != OP_SHUTDOWN:
             raise PipelineError(f"expected SHUTDOWN back from rank {self.link.left}, got {back}")
         self.link.drain()
@@ -359,23 +401,21 @@ def serve_stage(stage: Stage, link: Link) -> None:
     """Ranks 1..n-1: run every step rank 0 sends until SHUTDOWN, then pass SHUTDOWN on
     (the last rank passes it to rank 0) and drain. Waits in MLX's recv while idle: the
     agent, which supervises the workers, kills a rank whose peer went silent."""
-    last = stage.shard.last
+    last, hidden = stage.shard.last, stage.shard.hidden_size
     while True:
-        h = link.recv_header()
+        h, rows, x = link.recv_frame(hidden)
         if h.op == OP_SHUTDOWN:
-            link.send_header(h)
+            link.send_frame(h)
             link.drain()
             return
-        rows = decode_rows(link.recv((h.rows * ROW_WORDS,), mx.int32))
         if h.op == OP_RELEASE:
             stage.release([r.no for r in rows])
             if not last:
-                link.send_step(h, rows, None)
+                link.send_frame(h, rows)
             continue
-        x = link.recv((h.rows, h.length, stage.shard.hidden_size), DTYPES[h.dtype])
+        assert x is not None
         out = run_step(stage, h, rows, x)
         if not last:
-            link.send_step(Header(h.op, h.rows, h.length, DTYPE_CODES[out.dtype], h.group), rows, out)
+            link.send_frame(Header(h.op, h.rows, h.length, DTYPE_CODES[out.dtype], h.group), rows, out)
         elif any(r.sample for r in rows):
             link.send(mx.array(sample_rows(out, rows), dtype=mx.int32))
-

@@ -193,6 +193,7 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
     from p2pmesh.worker.ring_wake import left_sockets
 
     rank, size = args.rank, len(stages)
+    group: Any = None
     link: Link | None = None
     try:
         if size >= 2:
@@ -214,9 +215,6 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
         if size >= 2:
             # init() once per process: MLX caches the group for the life of the process.
             group = mx.distributed.init(backend=args.backend, strict=True)
-            # The ring backend's left sockets, to sleep on between steps (ring_wake.py).
-            own = read_hosts(os.environ["MLX_HOSTFILE"])[rank] if args.backend == "ring" else []
-            link = Link(group, left_sockets(own))
     except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError for a group that cannot form
         fault = ring_fault(str(e), rank, read_hosts(os.environ["MLX_HOSTFILE"])) if args.backend == "ring" else None
         return _fail(emitter, EXIT_FAILED, f"{type(e).__name__}: {e}", fault=fault)
@@ -225,8 +223,11 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
         shard = load_shard(path, start, end)
         load_s = time.monotonic() - t0
         tokenizer = load_tokenizer(path, config) if rank == 0 else None
-        if link is not None:  # everyone loaded: the group is formed and usable
-            mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=link.group, stream=mx.cpu))
+        if group is not None:  # everyone loaded: the group is formed and usable
+            mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=group, stream=mx.cpu))
+            # The ring backend's left sockets, to sleep on between steps (ring_wake.py).
+            own = read_hosts(os.environ["MLX_HOSTFILE"])[rank] if args.backend == "ring" else []
+            link = Link(group, shard.hidden_size, left_sockets(own))
     except (ModelError, CheckpointError) as e:
         return _fail(emitter, EXIT_USAGE, f"{type(e).__name__}: {e}")
     except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError for a failed group; report whatever it was
