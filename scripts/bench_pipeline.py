@@ -79,8 +79,12 @@ def hop_worker(hidden: int, hops: int) -> None:
     import mlx.core as mx
 
     from p2pmesh.worker.pipeline import DTYPE_CODES, OP_DECODE, Header, Link, WireRow
+    from p2pmesh.worker.ring_check import read_hosts
+    from p2pmesh.worker.ring_wake import left_sockets
 
-    link = Link(mx.distributed.init(backend="ring", strict=True), hidden)
+    group = mx.distributed.init(backend="ring", strict=True)
+    # As the workers do: sleep until the left neighbour's bytes arrive (worker/ring_wake.py).
+    link = Link(group, hidden, left_sockets(read_hosts(os.environ["MLX_HOSTFILE"])[group.rank()]))
     x = mx.random.normal((1, 1, hidden))
     token = mx.array([7], dtype=mx.int32)
     header = Header(OP_DECODE, 1, 1, DTYPE_CODES[mx.float32])

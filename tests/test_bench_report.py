@@ -64,6 +64,20 @@ def canned() -> dict[str, Any]:
          "never_worse": True, "homogeneous": False, "met": True}],
         "solve": [{"nodes": 16, "graph": "TB ring", "objective": "latency", "median_ms": 20.0, "max_ms": 26.0,
                    "base_median_ms": 0.2, "target_ms": 50.0}]}
+    batch = {"model": "random llama", "prompts": 8, "prompt_tokens": [8, 45], "tokens_each": 64, "runs": 2, "stages": 2,
+             "load_average": [2.0, 3.0], "batched_vs_mlx_batch_generate": 1.1,
+             "tok_s": {"engine_batched": 440.0, "engine_sequential": 150.0, "mlx_batch_generate": 400.0, "mlx_sequential": 160.0,
+                       "workers_2_stages_concurrent": 300.0, "workers_2_stages_concurrent_1_group": 360.0,
+                       "workers_2_stages_sequential": 120.0},
+             "cpu_ms_per_token": {"workers_2_stages_concurrent_cpu_ms_per_token": 1.8}}
+    batch_agents = {"model": "random llama", "stages": 2, "batch": 8, "prompts": 8, "prompt_tokens": [8, 45], "tokens_each": 64,
+                    "long_prompt_tokens": 1500, "runs": 2, "load_average": [2.0, 2.5],
+                    "tok_s": {"cluster_concurrent": 340.0, "cluster_sequential": 130.0, "mlx_batch_generate": 400.0,
+                              "mlx_sequential": 160.0},
+                    "mlx_batch_gain": 2.5, "sequential_vs_mlx_sequential": 0.81, "concurrent_tokens_equal_sequential": True,
+                    "ttft_s": {"8_at_once_p50": 0.06, "8_at_once_p99": 0.2, "with_long_short_p50": 0.1, "with_long_short_p99": 6.5,
+                               "with_long_long_p50": 6.4, "with_long_long_p99": 6.4, "long_while_8_run": 6.2},
+                    "running_gap_s": {"during_long_prefill_max": 0.44, "before_median": 0.011}}
     machine = {"cpu": "Test CPU", "arch": "x86_64", "cores": 2, "ram_gib": 24.0, "os": "Linux-test", "python": "3.11.7",
                "mlx": "0.32.4", "root": True, "settings": {"election_min_ms": 150, "election_max_ms": 300, "down_after_ms": 1000}}
     return {
@@ -73,7 +87,7 @@ def canned() -> dict[str, Any]:
             "sim": _ok("sim", sim), "agents": _ok("agents", agents, root=True), "ring": _ok("ring", ring),
             "ring_netns": _ok("ring_netns", netns, root=True), "sim_rings": _ok("sim_rings", sim_rings),
             "pipeline": _ok("pipeline", pipeline), "serving": _ok("serving", serving), "sim_serving": _ok("sim_serving", sim_serving),
-            "placement": _ok("placement", placement),
+            "placement": _ok("placement", placement), "batch": _ok("batch", batch), "batch_agents": _ok("batch_agents", batch_agents),
         },
     }
 
@@ -143,6 +157,34 @@ def test_met_targets_produce_no_miss_notes() -> None:
     assert find(rows_of(text), "decode, 2-worker pipeline")[4] == "yes"
     results["benches"]["agents"]["data"]["formation_s"] = [3.2, 3.4, 3.3]
     assert "- Formation **misses <= 3 s in this run** (load average 2.50 at the start): 2.00 s of the 3.30 s" in bench.render(results)
+
+
+def test_the_batching_section_sets_the_cluster_against_mlx_lm_in_the_same_run() -> None:
+    text = bench.render(canned())
+    assert "## Continuous batching (issue 15)" in text
+    rows = rows_of(text)
+    conc = find(rows, "8 greedy requests at once, 2-stage cluster of agents (batch 8)")
+    assert conc[:5] == ["340 tok/s", "batch_generate 400 tok/s", "0.850x", ">= 0.8x", "yes"]
+    seq = find(rows, "the same 8 at once vs one after another")
+    assert seq[2:5] == ["2.62x", ">= 2x", "yes"]
+    workers = find(rows, "8 at once, 2 worker processes alone")
+    assert workers[0] == "300 tok/s, 1.80 CPU ms/token" and workers[2:5] == ["0.750x", "", ""]
+    assert find(rows, "TTFT p50 / p99 of the 8 with a 1,500-token prompt")[0] == "0.100 / 6.500 s"
+    assert find(rows, "running requests' longest gap")[:3] == ["440 ms", "median gap before it 11.0 ms", "40.0x"]
+    assert "**A long prompt delays the requests that arrive after it**" in text
+    assert "- All 4 figures with a target meet it." in text
+    results = canned()
+    results["benches"]["batch_agents"]["data"]["tok_s"]["cluster_concurrent"] = 300.0
+    assert "Missed**: 8 greedy requests at once, 2-stage cluster" in bench.render(results)
+
+
+def test_the_batching_section_without_its_benchmarks_says_so() -> None:
+    results = copy.deepcopy(canned())
+    del results["benches"]["batch"]
+    results["benches"]["batch_agents"] = {"status": "timeout", "reason": "stopped after 90 s", "command": "x", "needs_root": False}
+    text = bench.render(results)
+    assert "Continuous batching through agents: not measured in this run (timeout: stopped after 90 s)" in text
+    assert "Continuous batching in the workers: not run." in text
 
 
 @pytest.mark.parametrize("status", ["skipped", "timeout", "failed"])

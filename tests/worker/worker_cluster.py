@@ -33,8 +33,9 @@ class ClusterError(AssertionError):
 
 class Cluster:
     def __init__(self, model: Path, stages: list[list[int]], workdir: Path, extra: list[str] | None = None,
-                 *, timestamps: bool = False) -> None:
+                 *, timestamps: bool = False, root: Path = ROOT) -> None:
         self.model, self.stages, self.workdir = model, stages, workdir
+        self.root = root  # the checkout whose worker runs (a benchmark compares two)
         self.timestamps = timestamps  # add "_t" = time.monotonic() on arrival to every event (the benchmark's clock)
         self.extra = extra or []
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -61,7 +62,7 @@ class Cluster:
                    "--stages", json.dumps(self.stages), "--rank", str(rank), "--timeout-s", str(WORKER_TIMEOUT_S), *self.extra]
             rank_env = {**env, "MLX_RANK": str(rank)} if self.size >= 2 else env
             with self.errs[rank].open("wb") as err:
-                proc = subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=subprocess.PIPE, stderr=err,
+                proc = subprocess.Popen(cmd, cwd=self.root, env=rank_env, stdout=subprocess.PIPE, stderr=err,
                                         stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL)
             self.procs.append(proc)
             q: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -171,6 +172,18 @@ class Cluster:
                         stream.close()
                     except OSError:
                         pass
+
+    def cpu_s(self) -> list[float] | None:
+        """Each rank's CPU seconds so far (user + system; Linux's /proc), None elsewhere."""
+        try:
+            out = []
+            for proc in self.procs:
+                with open(f"/proc/{proc.pid}/stat", encoding="ascii") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+            return out
+        except (OSError, ValueError, IndexError):
+            return None
 
     def stderrs(self) -> str:
         return "\n".join(f"--- rank {i} stderr:\n{p.read_text(errors='replace')[-3000:]}" for i, p in enumerate(self.errs) if p.exists())
