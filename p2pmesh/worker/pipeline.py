@@ -96,9 +96,9 @@ class Header:
         if len(w) != HEADER_WORDS or w[0] != _signed(MAGIC):
             raise PipelineError(f"bad pipeline header {w}: ranks out of sync")
         h = cls(w[1], w[2], w[3], w[4], w[5], w[6])
-        ok = h.payload >= 0 and h.op == OP_SHUTDOWN or (h.op == OP_RELEASE and h.rows >= 1) or (
+        ok = h.payload >= 0 and (h.op == OP_SHUTDOWN or (h.op == OP_RELEASE and h.rows >= 1) or (
             h.op in (OP_PREFILL, OP_DECODE) and h.rows >= 1 and h.length >= 1 and h.dtype in DTYPES
-            and (h.op == OP_DECODE or h.rows == 1))
+            and (h.op == OP_DECODE or h.rows == 1)))
         if not ok:
             raise PipelineError(f"bad pipeline header {h}")
         return h
