@@ -29,10 +29,11 @@ after silence is not progress).
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.messages import ClusterState, InferCancel, InferRequest, InferTokens, Message
+from p2pmesh.core.messages import ClusterState, InferCancel, InferRequest, InferTokens, LoadReport, Message
 from p2pmesh.core.protocol import ErrorCode
 
 LOOPBACK_ROUNDS = 8
@@ -45,6 +46,14 @@ SILENT_MS = 3 * BEACON_MS
 """Three beacon periods: one lost beacon never makes an origin ask again."""
 STALE = "stale epoch"
 """The text of a STALE_EPOCH answer (the origin decides on the code)."""
+RATE_WINDOW_MS = 5_000
+"""The head's tokens/s is over about the last 5 s of its worker's counter."""
+LOAD_STALE_MS = 3 * BEACON_MS
+"""A load report older than this says nothing (the worker reports every 0.5 s while it
+changes; the head resends it at least this often while it serves)."""
+RATE_SAMPLES_MAX = 64
+ROUTED = (InferRequest, InferTokens, InferCancel, LoadReport)
+"""The messages between agents that the router handles (not in the log)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +157,18 @@ class Router:
         newer one, or after a lost frame), for status and benchmarks."""
         self.asked_again = 0
         """Times an origin asked again with the same attempt after hearing nothing."""
+        self.load: LoadReport | None = None
+        """The serving head's latest batch report (this node's own when it is the head)."""
+        self.load_ms = 0
+        """When ``load`` was made or heard."""
+        self._samples: deque[tuple[int, int]] = deque(maxlen=RATE_SAMPLES_MAX)
+        """(ms, tokens generated) from the local head worker, for its rate."""
+        self._report_due = False
+        """The head has a load report its members have not been sent."""
+
+    def pending(self) -> bool:
+        """Anything in flight or to collect (else the machine skips routing: a hot path)."""
+        return bool(self.origins or self.served or self.messages or self.submits or self.client or self._report_due)
 
     # ------------------------------------------------------------------------------
     # Facts
@@ -182,6 +203,42 @@ class Router:
         del self.served[msg.req]
         if s.submitted:
             self.submits.append(WorkerCancel(s.epoch, msg.req, msg.attempt))
+
+    def worker_load(self, epoch: int, running: int, queued: int, tokens: int, now_ms: int) -> None:
+        """The local head worker's batch: the load this head reports to every member, with
+        its tokens/s over the last RATE_WINDOW_MS of its counter."""
+        samples = self._samples
+        if samples and tokens < samples[-1][1]:
+            samples.clear()  # a new worker (a new epoch): its counter starts again
+        samples.append((now_ms, tokens))
+        while len(samples) > 2 and now_ms - samples[1][0] >= RATE_WINDOW_MS:
+            samples.popleft()  # keep one sample at or before the window's start
+        first_ms, first = samples[0]
+        rate = (tokens - first) * 1000 / (now_ms - first_ms) if now_ms > first_ms else 0.0
+        self.load, self.load_ms = LoadReport(self.me, epoch, running, queued, round(rate, 1)), now_ms
+        self._report_due = True
+
+    def on_load(self, src: NodeId, msg: LoadReport, now_ms: int) -> None:
+        if msg.src == src:
+            self.load, self.load_ms = msg, now_ms
+
+    def load_now(self, epoch: int, now_ms: int) -> LoadReport | None:
+        """The serving epoch's load, if a fresh report says it."""
+        load = self.load
+        if load is None or load.epoch != epoch or now_ms - self.load_ms > LOAD_STALE_MS:
+            return None
+        return load
+
+    def on_message(self, src: NodeId, msg: Message, state: ClusterState | None, now_ms: int) -> None:
+        """One of the ROUTED messages from a member (or from this node to itself)."""
+        if isinstance(msg, InferRequest):
+            self.on_request(src, msg, state)
+        elif isinstance(msg, InferTokens):
+            self.on_tokens(msg, now_ms)
+        elif isinstance(msg, InferCancel):
+            self.on_cancel(src, msg)
+        elif isinstance(msg, LoadReport):
+            self.on_load(src, msg, now_ms)
 
     def on_request(self, src: NodeId, msg: InferRequest, state: ClusterState | None) -> None:
         """An origin asks this node, as head, to run a request."""
@@ -269,6 +326,11 @@ class Router:
 
     def tick(self, state: ClusterState | None, head: NodeId | None, epoch: int, now_ms: int) -> None:
         self._serve(head, epoch, now_ms)
+        if self._report_due:
+            self._report_due = False
+            load = self.load
+            if load is not None and head == self.me and load.epoch == epoch and state is not None:
+                self.messages.extend((m.node_id, load) for m in state.members if m.node_id != self.me)
         for req, o in list(self.origins.items()):
             if now_ms - o.progress_ms >= STALL_MS:
                 del self.origins[req]
@@ -350,12 +412,7 @@ class Router:
             if not local:
                 break
             for m in local:
-                if isinstance(m, InferRequest):
-                    self.on_request(self.me, m, state)
-                elif isinstance(m, InferTokens):
-                    self.on_tokens(m, now_ms)
-                elif isinstance(m, InferCancel):
-                    self.on_cancel(self.me, m)
+                self.on_message(self.me, m, state, now_ms)
             self.tick(state, head, epoch, now_ms)
         return messages, submits, client
 

@@ -3,9 +3,9 @@ with the tokens generated so far, stale epochs, and its bounds."""
 from __future__ import annotations
 
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.messages import InferCancel, InferRequest, InferTokens
+from p2pmesh.core.messages import Capabilities, ClusterState, InferCancel, InferRequest, InferTokens, LoadReport, Member
 from p2pmesh.core.protocol import ErrorCode
-from p2pmesh.core.serving import BEACON_MS, REQUESTS_MAX, SILENT_MS, STALE, STALL_MS, GenerateParams, Router, WorkerCancel
+from p2pmesh.core.serving import BEACON_MS, LOAD_STALE_MS, REQUESTS_MAX, SILENT_MS, STALE, STALL_MS, GenerateParams, Router, WorkerCancel
 
 A, B, C = NodeId("a" * 32), NodeId("b" * 32), NodeId("c" * 32)
 PARAMS = GenerateParams("hello", (), 6, 0.0, 1.0, 0)
@@ -390,3 +390,45 @@ def test_origin_and_head_on_one_node_cancel_through_the_loopback_rounds() -> Non
     node.cancelled("r1")
     _, commands, client = node.step(None, A, 3, 1)
     assert commands == [WorkerCancel(3, "r1", 1)] and client == [] and not node.served
+
+
+# --- the serving head's load ---------------------------------------------------------------------
+
+
+def _members(*ids: NodeId) -> ClusterState:
+    return ClusterState("c", tuple(Member(n, 1, True, True, (), Capabilities(0, "m")) for n in ids), 1, ids, ())
+
+
+def test_the_head_reports_its_batch_and_tokens_per_second_to_every_member() -> None:
+    head = Router(B)
+    state = _members(A, B, C)
+    head.worker_load(3, 2, 1, 100, 1_000)
+    messages, _, _ = head.step(state, B, 3, 1_000)
+    assert sorted(dst for dst, _ in messages) == [A, C]  # every member but itself
+    assert {m for _, m in messages} == {LoadReport(B, 3, 2, 1, 0.0)}  # one sample: no rate yet
+    head.worker_load(3, 3, 0, 300, 2_000)
+    head.worker_load(3, 3, 0, 700, 3_000)
+    report = head.load_now(3, 3_000)
+    assert report is not None and (report.running, report.queued, report.tokens_per_s) == (3, 0, 300.0)
+    # The rate is over the last RATE_WINDOW_MS only, and a new worker's counter starts again.
+    for t in range(4_000, 12_001, 1_000):
+        head.worker_load(3, 3, 0, 700 + (t - 3_000) // 10, t)
+    assert head.load_now(3, 12_000).tokens_per_s == 100.0  # type: ignore[union-attr]
+    head.worker_load(4, 1, 0, 5, 12_500)
+    assert head.load_now(4, 12_500).tokens_per_s == 0.0  # type: ignore[union-attr]
+    assert head.load_now(3, 12_500) is None  # an older epoch's report says nothing
+
+
+def test_a_member_keeps_the_heads_report_only_while_it_is_fresh() -> None:
+    origin, head = Router(A), Router(B)
+    state = _members(A, B)
+    head.worker_load(3, 1, 0, 10, 0)
+    [(_, report)] = head.step(state, B, 3, 0)[0]
+    origin.on_message(B, report, state, 100)
+    assert origin.load_now(3, 100) == report
+    assert origin.load_now(3, 100 + LOAD_STALE_MS + 1) is None
+    origin.on_message(C, LoadReport(B, 3, 9, 9, 1.0), state, 200)  # forged by another member: ignored
+    assert origin.load_now(3, 200) == report
+    not_head = Router(C)
+    not_head.worker_load(3, 1, 0, 10, 0)  # a stale worker of a node no longer the head says nothing to others
+    assert not_head.step(state, B, 3, 0)[0] == []
