@@ -238,6 +238,8 @@ def test_greedy_completion_equals_the_agents_generate(served: Served, reference:
     assert r.usage is not None and r.usage.completion_tokens == 24
     assert r.usage.prompt_tokens == len(_tokenizer(served.model).encode(PROMPT))
     assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+    ttft = (r.model_extra or {}).get("timings", {}).get("ttft_ms")  # p2pmesh's addition, as llama.cpp's
+    assert isinstance(ttft, float) and ttft > 0
 
 
 def test_streamed_completion_equals_the_same_text(served: Served, reference: tuple[str, list[int]]) -> None:
@@ -250,6 +252,7 @@ def test_streamed_completion_equals_the_same_text(served: Served, reference: tup
     assert len([p for p in pieces if p]) > 1  # really streamed, not one blob
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+    assert (chunks[-1].model_extra or {}).get("timings", {}).get("ttft_ms", 0) > 0
 
 
 def test_the_async_client_under_trio(served: Served, reference: tuple[str, list[int]]) -> None:
