@@ -166,7 +166,8 @@ def solve_placement(
             seq, Gs, bound = found
             best = _plan(ctx, reconstruct(ctx, seq, Gs, P, bound))
     if tctx is not None and len(nodes) > 1:
-        placed = solve_grouped(ctx, tctx, "auto" if parallelism == "auto" else parallelism)
+        beat = None if best is None or objective != "latency" else round(best.tpot_ms * TICKS_PER_MS)
+        placed = solve_grouped(ctx, tctx, parallelism if parallelism != "pipeline" else "auto", beat=beat)
         if placed is not None:
             grouped = _grouped_plan(ctx, placed)
             if best is None or _objective(grouped, objective) < _objective(best, objective):

@@ -38,9 +38,10 @@ Pure: no clock, no I/O, no randomness; only p2pmesh.core imports.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from p2pmesh.core.placement_cost import (HOP_MS_MAX, NETWORK_GBPS, ModelSpec, NodeSpec, Share, ScenarioError,
                                           to_ticks)
@@ -96,16 +97,19 @@ def split(weights: Sequence[int], total: int) -> list[int]:
     """Integer x_r summing to total that minimise max_r weights[r] * x_r (weights > 0): the
     proportional floors of the continuous optimum less one (never above an optimal split), then
     one unit at a time to the rank whose cost grows least (ties: the earlier rank). Exact, and
-    at most ~2 s units are placed one by one."""
+    at most ~2 s units are placed one by one (a heap)."""
     inv = [1.0 / w for w in weights]
     t_c = total / sum(inv)  # the continuous optimum: every rank at the same cost
     x = [max(0, math.floor(t_c * v) - 1) for v in inv]
     while sum(x) > total:  # float slop only: bounded by len(x)
         r = max(range(len(x)), key=lambda i: (weights[i] * x[i], i))
         x[r] -= 1
+    heap = [(w * (v + 1), i) for i, (w, v) in enumerate(zip(weights, x))]
+    heapq.heapify(heap)
     for _ in range(total - sum(x)):  # bounded: ~2 len(x) units
-        r = min(range(len(x)), key=lambda i: (weights[i] * (x[i] + 1), i))
+        _, r = heapq.heappop(heap)
         x[r] += 1
+        heapq.heappush(heap, (weights[r] * (x[r] + 1), r))
     return x
 
 
@@ -133,6 +137,7 @@ class TensorContext:
     activation_bytes: int
     shape: TensorShape
     conns: dict[tuple[int, int], tuple[tuple[float, float, bool], ...]]  # (i < j) -> (gbps, rtt_ms, rdma) per kind and rdma
+    memo: dict[tuple[tuple[int, ...], int], int] = field(default_factory=dict)  # all-reduce ticks, this solve only
 
 
 def tensor_context(model: ModelSpec, nodes: Sequence[NodeSpec], links: Sequence[Link], ms: Sequence[int]) -> TensorContext | None:
@@ -167,6 +172,15 @@ def allreduce_ticks(tctx: TensorContext, ranks: Sequence[int], nbytes: int) -> i
     s = len(ranks)
     if s < 2:
         return 0
+    key = (min(tuple(ranks), tuple(reversed(ranks))), nbytes)  # the reversed ring has the same edges
+    got = tctx.memo.get(key)
+    if got is None:
+        got = tctx.memo[key] = _allreduce(tctx, ranks, nbytes)
+    return got
+
+
+def _allreduce(tctx: TensorContext, ranks: Sequence[int], nbytes: int) -> int:
+    s = len(ranks)
     edges = [tuple(sorted((ranks[t], ranks[(t + 1) % s]))) for t in range(s)]
     conns = [tctx.conns.get(e, _NO_LINK) for e in edges]  # type: ignore[call-overload]
     rdma = all(any(c[2] for c in cs) for cs in conns)
@@ -232,6 +246,8 @@ def group_costs(tctx: TensorContext, ranks: tuple[int, ...]) -> list[GroupCost]:
     stage (placement_cost), not costed here."""
     fast = group_cost(tctx, ranks)
     assert fast is not None
+    if fast.cap_mid >= tctx.layers:
+        return [fast]  # it holds every layer: memory cannot be the reason to split otherwise
     roomy = group_cost(tctx, ranks, by_memory=True)
     if roomy is None or roomy.cap_mid <= fast.cap_mid:
         return [fast]

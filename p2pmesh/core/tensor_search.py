@@ -21,13 +21,13 @@ Pure: no clock, no I/O, no randomness; only p2pmesh.core imports.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from p2pmesh.core.placement_cost import CostContext
 from p2pmesh.core.placement_search import HALF_INF, INF, emin, ring_orders, window_min
 from p2pmesh.core.tensor_cost import GroupCost, TensorContext, group_costs
 
-MAX_GROUP = 8
+MAX_GROUP = 6
 """The largest tensor group inside a chain of groups. One-group (tensor) plans try every
 size. Larger chained groups only pay off over RDMA, which needs a full mesh of TB5 cables
 (a Mac has at most 5 usable RDMA ports), so 8 loses nothing real and keeps 16 Macs fast."""
@@ -77,7 +77,11 @@ class _Units:
     def at(self, ranks: tuple[int, ...]) -> list[GroupCost]:
         got = self.cache.get(ranks)
         if got is None:
-            got = [single_unit(self.ctx, ranks[0])] if len(ranks) == 1 else group_costs(self.tctx, ranks)
+            back = self.cache.get(ranks[::-1]) if len(ranks) > 1 else None
+            if back is not None:  # the same Macs the other way round: the same split and costs
+                got = [replace(u, ranks=ranks, shares=u.shares[::-1]) for u in back]
+            else:
+                got = [single_unit(self.ctx, ranks[0])] if len(ranks) == 1 else group_costs(self.tctx, ranks)
             self.cache[ranks] = got
         return got
 
@@ -96,8 +100,11 @@ def _fold(ctx: CostContext, seq: tuple[int, ...], q: int, B: list[list[int]], M:
     return C
 
 
-def _order_dp(ctx: CostContext, units: _Units, seq: tuple[int, ...], max_group: int) -> _OrderDP:
-    """The suffix arrays of every unit after the first position of this order."""
+def _order_dp(ctx: CostContext, units: _Units, seq: tuple[int, ...], max_group: int, with_t: bool,
+              useless: int) -> _OrderDP:
+    """The suffix arrays of every unit after the first position of this order (with_t: also
+    those of plans holding a tensor group, for a forced hybrid). Units whose per-layer cost
+    is at least ``useless`` are left out: no plan with them can win (solve_grouped)."""
     n, L, Cst = len(seq), ctx.layers, ctx.overhead
     p0 = seq[0]
     none = [INF] * (L + 1)
@@ -112,6 +119,8 @@ def _order_dp(ctx: CostContext, units: _Units, seq: tuple[int, ...], max_group: 
         for s in range(1, min(max_group, n - p) + 1):
             q = p + s - 1
             for u in units.at(seq[p:q + 1]):
+                if u.per_layer >= useless:
+                    continue
                 dp.units[p].append(u)
                 c, entry = u.per_layer, u.entry_act
                 wide = s > 1
@@ -123,14 +132,17 @@ def _order_dp(ctx: CostContext, units: _Units, seq: tuple[int, ...], max_group: 
                         ends[l] = (L - l) * c + end_add
                 a_arr = _cont(CA[q], c, u.cap_mid, Cst + entry, L)
                 a_arr = emin(a_arr, ends)
-                t_arr = a_arr if wide else _cont(CT[q], c, u.cap_mid, Cst + entry, L)
+                t_arr = a_arr if wide or not with_t else _cont(CT[q], c, u.cap_mid, Cst + entry, L)
                 a_arr[0] = t_arr[0] = INF  # a later group never starts at layer 0
                 dp.A[id(u)], dp.T[id(u)] = a_arr, t_arr
-                bA, bT = emin(bA, a_arr), emin(bT, t_arr)
+                bA = emin(bA, a_arr)
+                if with_t:
+                    bT = emin(bT, t_arr)
         BA[p], BT[p] = bA, bT
-        MA, MT = emin(MA, bA), emin(MT, bT)
+        MA = emin(MA, bA)
+        MT = emin(MT, bT) if with_t else none
         CA[p - 1] = _fold(ctx, seq, p - 1, BA, MA)
-        CT[p - 1] = _fold(ctx, seq, p - 1, BT, MT)
+        CT[p - 1] = _fold(ctx, seq, p - 1, BT, MT) if with_t else none
     return dp
 
 
@@ -159,32 +171,63 @@ def _first_options(ctx: CostContext, dp: _OrderDP, u: GroupCost, mode: str) -> l
     return out
 
 
-def solve_grouped(ctx: CostContext, tctx: TensorContext, mode: str = "auto", max_group: int = MAX_GROUP) -> list[Placed] | None:
+def solve_grouped(ctx: CostContext, tctx: TensorContext, mode: str = "auto", max_group: int = MAX_GROUP,
+                  beat: int | None = None) -> list[Placed] | None:
     """The least-tpot chain of groups. mode "auto": any (one Mac, a pipeline, tensor or
     hybrid); "tensor": one group of two or more Macs; "hybrid": two or more groups, one of
-    them a tensor group. None when no such plan fits."""
+    them a tensor group. None when no such plan fits (or, with ``beat``, none costs less
+    than beat ticks: the caller has that plan already, e.g. the best pipeline).
+
+    One-group plans are tried first (one cost per arc); the chains' DP runs only when a sound
+    lower bound says a chain could win: L x the least per-layer cost of any arc of at most
+    max_group Macs, two overheads, the cheapest forward and return hops."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}")
-    n = len(ctx.ids)
+    n, L, Cst = len(ctx.ids), ctx.layers, ctx.overhead
     units = _Units(ctx, tctx)
-    best: tuple[int, int, int, int] | None = None  # cost, order, size, candidate
-    dps: dict[int, _OrderDP] = {}
-    choice: dict[tuple[int, int, int], GroupCost] = {}
-    for o, seq in enumerate(ring_orders(n)):  # bounded: 2n orders
-        dp = _order_dp(ctx, units, seq, max_group) if mode != "tensor" else _OrderDP(seq, [], {}, {}, [], [])
-        dps[o] = dp
-        top = n if mode != "hybrid" else min(n, max_group)
-        for s in range(2 if mode == "tensor" else 1, top + 1):
-            how = "tensor" if s > max_group else mode  # a group this large only as the one group
-            for ci, u in enumerate(units.at(seq[:s])):
-                choice[(o, s, ci)] = u
-                for cost, _m in _first_options(ctx, dp, u, how):
-                    if best is None or cost < best[0]:
-                        best = (cost, o, s, ci)
-    if best is None:
+    orders = ring_orders(n)
+    best: Best | None = None
+    if mode != "hybrid":
+        for seq in orders:  # bounded: 2n orders x n sizes
+            for s in range(2 if mode == "tensor" else 1, n + 1):
+                for u in units.at(seq[:s]):
+                    if L <= u.cap_both and (best is None or L * u.per_layer + Cst < best[0]):
+                        best = (L * u.per_layer + Cst, None, u, "one group")
+    if mode != "tensor" and n > 1:
+        least = min(u.per_layer for seq in orders for s in range(1, min(max_group, n) + 1) for u in units.at(seq[:s]))
+        hops = [ctx.fwd[i][j] for i in range(n) for j in range(n) if i != j]
+        rets = [ctx.ret[i][j] for i in range(n) for j in range(n) if i != j]
+        fixed = 2 * Cst + min(hops) + min(rets)  # what any chain costs beside its layers
+        limits = [x for x in (beat, None if best is None else best[0]) if x is not None]
+        if not limits or L * least + fixed < min(limits):
+            best = _chains(ctx, units, orders, mode, max_group, best, limits, least, fixed)
+    if best is None or (beat is not None and best[0] >= beat):
         return None
-    cost, o, s, ci = best
-    return _walk(ctx, dps[o], choice[(o, s, ci)], cost, "tensor" if s > max_group else mode)
+    cost, dp, u, _how = best
+    if dp is None:
+        return [(u, 0, L)]
+    return _walk(ctx, dp, u, cost, mode)
+
+
+Best = tuple[int, "_OrderDP | None", GroupCost, str]  # cost, the order's DP (None: one group), first unit
+
+
+def _chains(ctx: CostContext, units: _Units, orders: list[tuple[int, ...]], mode: str, max_group: int,
+            best: Best | None, limits: list[int], least: int, fixed: int) -> Best | None:
+    """The best plan starting each order with a unit of at most max_group Macs (the DP). A
+    unit whose one layer, with every other layer at the least cost, already reaches the best
+    plan known is left out of the DP (sound: such a plan cannot win)."""
+    n, L = len(orders[0]), ctx.layers
+    for seq in orders:  # bounded: 2n orders
+        limit = min(limits + ([best[0]] if best is not None else []), default=None)
+        useless = INF if limit is None else limit - (L - 1) * least - fixed
+        dp = _order_dp(ctx, units, seq, max_group, mode == "hybrid", useless)
+        for s in range(1, min(max_group, n) + 1):
+            for u in units.at(seq[:s]):
+                for cost, _m in _first_options(ctx, dp, u, mode):
+                    if best is None or cost < best[0]:
+                        best = (cost, dp, u, "chain")
+    return best
 
 
 def _walk(ctx: CostContext, dp: _OrderDP, first: GroupCost, cost: int, mode: str) -> list[Placed]:
