@@ -54,7 +54,7 @@ from p2pmesh.core.placement_cost import (BYTES_MAX, GBPS_MAX, HOP_MS_MAX, LAYERS
                                           stage_indices)
 from p2pmesh.core.placement_search import prefix_keys, reconstruct, solve_latency, solve_throughput
 from p2pmesh.core.ring import Link, parse_graph
-from p2pmesh.core.tensor_cost import TensorContext, group_costs, tensor_context, tensor_shape
+from p2pmesh.core.tensor_cost import GroupCost, TensorContext, group_costs, split_cost, tensor_context, tensor_shape
 from p2pmesh.core.tensor_search import Placed, evaluate_groups, single_unit, solve_grouped
 
 __all__ = [
@@ -213,18 +213,31 @@ def _placed(ctx: CostContext, tctx: TensorContext | None, plan: Plan) -> list[Pl
             return None
         seen |= set(ranks)
         if len(ranks) == 1:
-            u = single_unit(ctx, ranks[0])
+            units = [single_unit(ctx, ranks[0])]
         elif tctx is None:
             return None
         else:
-            u = group_costs(tctx, ranks)[0]
+            units = _given_split(tctx, ranks, g) or group_costs(tctx, ranks)
         first, last = pos == 0, pos == len(groups) - 1
-        cap = u.cap_both if first and last else u.cap_first if first else u.cap_last if last else u.cap_mid
-        if g.end - g.start > cap:
+        fits = [u for u in units if g.end - g.start <= (u.cap_both if first and last else u.cap_first if first
+                                                         else u.cap_last if last else u.cap_mid)]
+        if not fits:
             return None
-        out.append((u, g.start, g.end))
+        out.append((fits[0], g.start, g.end))
         at = g.end
     return out if out and at == ctx.layers else None
+
+
+def _given_split(tctx: TensorContext, ranks: tuple[int, ...], g: Group) -> list[GroupCost]:
+    """The group's own shares, costed, when it has shares of this model; else []."""
+    sh = tctx.shape
+    if len(g.shares) != len(ranks):
+        return []
+    kv = [s.kv_heads for s in g.shares]
+    if (sum(kv) != sh.kv_heads or any(s.heads != s.kv_heads * sh.heads_per_kv or s.columns % sh.block for s in g.shares)
+            or sum(s.columns for s in g.shares) != sh.blocks * sh.block or min(kv + [s.columns for s in g.shares]) < 0):
+        return []
+    return [split_cost(tctx, ranks, kv, [s.columns // sh.block for s in g.shares])]
 
 
 def _keep(ctx: CostContext, tctx: TensorContext | None, model: ModelSpec, nodes: Sequence[NodeSpec], current: Plan,
@@ -391,6 +404,8 @@ def parse_current(data: object, *, default_margin: float = 0.15) -> tuple[Plan |
     raw = data.get("current")
     if raw is None:
         return None, float(margin)
+    if isinstance(raw, dict) and raw.get("groups") is not None:
+        return _parse_groups(raw["groups"]), float(margin)
     if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list) or not 1 <= len(raw["stages"]) <= NODES_MAX:
         raise ScenarioError(f'"current" must be an object with "stages": a list of 1 to {NODES_MAX} stages')
     stages = []
@@ -398,15 +413,41 @@ def parse_current(data: object, *, default_margin: float = 0.15) -> tuple[Plan |
         where = f"current.stages[{i}]"
         if not isinstance(s, dict) or not isinstance(s.get("node_id"), str):
             raise ScenarioError(f'{where} must be an object with a string "node_id"')
-        span = s.get("layers")
-        if (not isinstance(span, list) or len(span) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= LAYERS_MAX for v in span)
-                or span[0] >= span[1]):
-            raise ScenarioError(f'{where}.layers must be [start, end) with 0 <= start < end <= {LAYERS_MAX}')
-        if span[0] != (stages[-1].end if stages else 0):
-            raise ScenarioError(f"{where}.layers must start where the previous stage ends (the first at 0)")
+        span = _span(s, where, stages[-1].end if stages else 0)
         if any(p.node_id == s["node_id"] for p in stages):
             raise ScenarioError(f"{where}: {s['node_id']!r} has two stages")
         stages.append(Stage(s["node_id"], span[0], span[1]))
     # A Mac of the current plan missing from "nodes" is fine: it is gone, and the plan is replaced.
     return Plan(tuple(stages), 0.0), float(margin)
+
+
+def _span(obj: dict[str, object], where: str, at: int) -> tuple[int, int]:
+    span = obj.get("layers")
+    if (not isinstance(span, list) or len(span) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= LAYERS_MAX for v in span)
+            or span[0] >= span[1]):
+        raise ScenarioError(f'{where}.layers must be [start, end) with 0 <= start < end <= {LAYERS_MAX}')
+    if span[0] != at:
+        raise ScenarioError(f"{where}.layers must start where the previous {where.split('[')[0].split('.')[-1][:-1]} ends (the first at 0)")
+    return span[0], span[1]
+
+
+def _parse_groups(raw: object) -> Plan:
+    """A current plan given by its "groups" (as `plan solve --json` prints them; "shares" are
+    not read: a kept group is split afresh)."""
+    if not isinstance(raw, list) or not 1 <= len(raw) <= NODES_MAX:
+        raise ScenarioError(f'"current.groups" must be a list of 1 to {NODES_MAX} groups')
+    groups: list[Group] = []
+    seen: set[str] = set()
+    for i, g in enumerate(raw):
+        where = f"current.groups[{i}]"
+        ids = g.get("node_ids") if isinstance(g, dict) else None
+        if not isinstance(ids, list) or not 1 <= len(ids) <= NODES_MAX or not all(isinstance(n, str) for n in ids):
+            raise ScenarioError(f'{where} must be an object with "node_ids": a list of 1 to {NODES_MAX} strings')
+        if seen & set(ids) or len(set(ids)) != len(ids):
+            raise ScenarioError(f"{where}: a Mac is in two groups")
+        seen |= set(ids)
+        a, b = _span(g, where, groups[-1].end if groups else 0)
+        groups.append(Group(tuple(ids), a, b))
+    stages = tuple(Stage(g.node_ids[0], g.start, g.end) for g in groups)
+    return Plan(stages, 0.0, 0.0, tuple(groups) if any(len(g.node_ids) > 1 for g in groups) else ())

@@ -93,23 +93,25 @@ def tensor_shape(model: ModelSpec) -> TensorShape | None:
     return TensorShape(K, H // K, I // block, block, (attn_w + cache) / K, mlp_w / (I // block), model.bytes_per_layer)
 
 
-def split(weights: Sequence[int], total: int) -> list[int]:
+def split(weights: Sequence[int], total: int, prefer: Sequence[int] | None = None) -> list[int]:
     """Integer x_r summing to total that minimise max_r weights[r] * x_r (weights > 0): the
     proportional floors of the continuous optimum less one (never above an optimal split), then
-    one unit at a time to the rank whose cost grows least (ties: the earlier rank). Exact, and
-    at most ~2 s units are placed one by one (a heap)."""
+    one unit at a time to the rank whose cost grows least. Ties go to the larger ``prefer``
+    (the group's memory: the split then fits more layers, and the same Macs in the other order
+    get the same split), then to the earlier rank. Exact; at most ~2 s units go one by one."""
+    pref = list(prefer) if prefer is not None else [0] * len(weights)
     inv = [1.0 / w for w in weights]
     t_c = total / sum(inv)  # the continuous optimum: every rank at the same cost
     x = [max(0, math.floor(t_c * v) - 1) for v in inv]
     while sum(x) > total:  # float slop only: bounded by len(x)
-        r = max(range(len(x)), key=lambda i: (weights[i] * x[i], i))
+        r = max(range(len(x)), key=lambda i: (weights[i] * x[i], -pref[i], i))
         x[r] -= 1
-    heap = [(w * (v + 1), i) for i, (w, v) in enumerate(zip(weights, x))]
+    heap = [(w * (v + 1), -p, i) for i, (w, v, p) in enumerate(zip(weights, x, pref))]
     heapq.heapify(heap)
     for _ in range(total - sum(x)):  # bounded: ~2 len(x) units
-        _, r = heapq.heappop(heap)
+        _, _, r = heapq.heappop(heap)
         x[r] += 1
-        heapq.heappush(heap, (weights[r] * (x[r] + 1), r))
+        heapq.heappush(heap, (weights[r] * (x[r] + 1), -pref[r], r))
     return x
 
 
@@ -207,7 +209,14 @@ def group_cost(tctx: TensorContext, ranks: tuple[int, ...], by_memory: bool = Fa
         w = _weights_by_memory([tctx.memory[r] for r in ranks])
     else:
         w = [tctx.ms[r] for r in ranks]
-    return split_cost(tctx, ranks, split(w, sh.kv_heads), split(w, sh.blocks))
+    # Split in the order of the ring positions, whatever the group's ring order: the same
+    # Macs get the same split both ways round (and the search reuses it).
+    canon = sorted(range(len(ranks)), key=lambda t: ranks[t])
+    cw, mem = [w[t] for t in canon], [tctx.memory[ranks[t]] for t in canon]
+    kv, cols = [0] * len(ranks), [0] * len(ranks)
+    for t, k, b in zip(canon, split(cw, sh.kv_heads, mem), split(cw, sh.blocks, mem)):
+        kv[t], cols[t] = k, b
+    return split_cost(tctx, ranks, kv, cols)
 
 
 def split_cost(tctx: TensorContext, ranks: tuple[int, ...], kv: Sequence[int], cols: Sequence[int]) -> GroupCost:
