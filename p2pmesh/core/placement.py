@@ -34,11 +34,17 @@ comes first (rotation starting at ring position 0, forward before backward, ...)
 stage by stage, to ending the pipeline, then to more layers on the earlier stage, then to
 the nearer next Mac.
 
-Where things are: the values (ModelSpec, NodeSpec, Stage, Plan), the limits and the cost
-context in integer ticks are core/placement_cost.py; the exact search is
-core/placement_search.py. This module is the public face: the planners (with hysteresis),
-the memory-proportional baseline, and the scenario format of `p2pmesh plan solve`; it
-re-exports the values so callers import from one place.
+Tensor parallelism (issue 16): with the model's shape (hidden size, heads, KV heads, MLP
+columns), a group of Macs may run a range of layers together, each Mac a share of every
+layer; "auto" takes the fastest of one Mac, a pipeline, one tensor group and a hybrid (tensor
+groups chained as a pipeline), never slower than the best single Mac or the best pipeline.
+
+Where things are: the values (ModelSpec, NodeSpec, Stage, Group, Share, Plan), the limits and
+the cost context in integer ticks are core/placement_cost.py; the exact pipeline search is
+core/placement_search.py; tensor groups' cost model is core/tensor_cost.py and the search
+for tensor and hybrid plans core/tensor_search.py. This module is the public face: the
+planners (with hysteresis), the memory-proportional baseline, and the scenario format of
+`p2pmesh plan solve`; it re-exports the values so callers import from one place.
 
 Pure: no clock, no I/O, no randomness; only p2pmesh.core imports.
 """
