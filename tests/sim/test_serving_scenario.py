@@ -16,7 +16,7 @@ from p2pmesh.core.messages import ActivatePlacement, InferRequest
 from p2pmesh.core.raft import Raft
 from p2pmesh.core.serving import Router, _Origin
 from sim.cli import main as sim_main
-from sim.dataplane import EOS, expected_output, tokenize
+from sim.fake_model import EOS, expected_output, tokenize
 from sim.serving_scenario import SERVING_BOUND_US, ServingScenario, run_serving_seed
 
 SEEDS_PER_SIZE = 20
