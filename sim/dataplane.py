@@ -52,7 +52,7 @@ from p2pmesh.core import dataplane
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.machine import Effects, Mode, Ready
 from p2pmesh.core.messages import Stage
-from p2pmesh.core.serving import WorkerCancel, WorkerCommand, WorkerSubmit
+from p2pmesh.core.serving import WorkerCancel, WorkerCommand
 from p2pmesh.core.stage_fetch import FetchPlanner
 from p2pmesh.core.supervision import WatchedWorker, WorkerBook
 from sim.fake_head import FakeHead, StepCost, draw_cost

@@ -38,7 +38,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from p2pmesh.core.batching import DecodeStep, Finished, Outcome, PrefillStep, ReleaseStep, Request, Sampling, Scheduler, Step
+from p2pmesh.core.batching import DecodeStep, Finished, Outcome, PrefillStep, ReleaseStep, Request, Row, Sampling, Scheduler, Step
 from p2pmesh.core.protocol import WORKER_BUSY
 from sim.checks import InvariantViolated
 from sim.fake_model import EOS, context_hash, mix, next_token
@@ -224,7 +224,7 @@ class FakeHead:
         gets one: the scheduler drops it, as the real worker's sampled row is dropped)."""
         if isinstance(step, ReleaseStep):
             return []
-        rows: Sequence = (step.row,) if isinstance(step, PrefillStep) else step.rows
+        rows: Sequence[Row] = (step.row,) if isinstance(step, PrefillStep) else step.rows
         out = []
         for row in rows:
             if row.sample:
