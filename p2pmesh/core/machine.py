@@ -296,7 +296,7 @@ class Machine:
             StageFilesFetched: self._on_fetched,
             WorkerLoaded: self._on_loaded,
             GenerateRequested: lambda event, now_ms: self.router.requested(event.req, event.params, now_ms),
-            GenerateCancelled: lambda event, now_ms: self.router.cancelled(event.req),
+            GenerateCancelled: lambda event, now_ms: self.router.cancelled(event.req, now_ms),
             WorkerLoad: lambda e, now_ms: self.router.worker_load(e.epoch, e.running, e.queued, e.tokens, now_ms),
             WorkerOutput: self._on_worker_output,
             WorkerCrashed: self._on_worker_crashed,

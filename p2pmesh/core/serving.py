@@ -165,6 +165,9 @@ class Router:
         """(ms, tokens generated) from the local head worker, for its rate."""
         self._report_due = False
         """The head has a load report its members have not been sent."""
+        self.hung_up: dict[str, tuple[InferCancel, int]] = {}
+        """Requests whose client hung up, until their head says they ended (or STALL_MS):
+        the cancel sent, and when (at most REQUESTS_MAX, the oldest dropped first)."""
 
     def pending(self) -> bool:
         """Anything in flight or to collect (else the machine skips routing: a hot path)."""
@@ -185,14 +188,30 @@ class Router:
             return
         self.origins[req] = _Origin(params, now_ms, now_ms)
 
-    def cancelled(self, req: str) -> None:
+    def cancelled(self, req: str, now_ms: int) -> None:
         """A local client hung up before its request's end: forget the request here, and
         tell the head running it, which frees its worker's slot. Nothing more reaches the
         client (it is gone); a reply still in flight is dropped as one for a request we gave up."""
         o = self.origins.pop(req, None)
         if o is not None and o.sent_to is not None:
             head, epoch = o.sent_to
-            self.messages.append((head, InferCancel(self.me, req, epoch, o.attempt)))
+            cancel = InferCancel(self.me, req, epoch, o.attempt)
+            self.messages.append((head, cancel))
+            # Frames can be lost: until the head says the request ended, each of its replies
+            # (a beacon at least every BEACON_MS) is answered with the cancel again.
+            if len(self.hung_up) >= REQUESTS_MAX:
+                del self.hung_up[next(iter(self.hung_up))]  # the oldest
+            self.hung_up[req] = (cancel, now_ms)
+
+    def _cancel_again(self, msg: InferTokens, now_ms: int) -> None:
+        """A reply about a request whose client hung up: the head still runs it (our cancel
+        was lost), so cancel again, at most once per BEACON_MS; its end forgets it."""
+        cancel, sent_ms = self.hung_up[msg.req]
+        if msg.done:
+            del self.hung_up[msg.req]
+        elif (msg.epoch, msg.attempt) == (cancel.epoch, cancel.attempt) and now_ms - sent_ms >= BEACON_MS:
+            self.hung_up[msg.req] = (cancel, now_ms)
+            self.messages.append((msg.src, cancel))
 
     def on_cancel(self, src: NodeId, msg: InferCancel) -> None:
         """An origin's client hung up: stop the request if it is the attempt this head runs
@@ -252,11 +271,18 @@ class Router:
         if old is not None and old.request == msg:
             old.told_ms = None  # the origin asks again after silence: tell it we run it
             return
+        if old is not None and old.submitted:
+            # A new attempt replaces one our worker runs (the origin lost a frame of it): free
+            # the old one's slot rather than let it run to its end unheard.
+            self.submits.append(WorkerCancel(old.epoch, msg.req, old.request.attempt))
         self.served[msg.req] = _Served(src, msg.epoch, msg)
 
     def on_tokens(self, msg: InferTokens, now_ms: int) -> None:
         """Tokens streamed back from a head for a request this node originated."""
         o = self.origins.get(msg.req)
+        if o is None and msg.req in self.hung_up:
+            self._cancel_again(msg, now_ms)
+            return
         if o is None or o.sent_to is None or o.sent_to[1] != msg.epoch or o.sent_to[0] != msg.src:
             return  # a request we gave up, or a late reply from an epoch we moved away from
         if msg.attempt != o.attempt:
@@ -326,6 +352,9 @@ class Router:
 
     def tick(self, state: ClusterState | None, head: NodeId | None, epoch: int, now_ms: int) -> None:
         self._serve(head, epoch, now_ms)
+        for req, (_, sent_ms) in list(self.hung_up.items()):
+            if now_ms - sent_ms >= STALL_MS:
+                del self.hung_up[req]  # the head never answered: it forgot the request too
         if self._report_due:
             self._report_due = False
             load = self.load
