@@ -6,7 +6,7 @@
 
 The same 8 prompts (different lengths), each with max_tokens = --tokens, greedy, EOS ignored
 so every run produces the same number of tokens:
-  (a) batched: the worker's own scheduler and engine (worker/scheduler.py, pipeline.Engine,
+  (a) batched: the worker's own scheduler and engine (core/batching.py, pipeline.Engine,
       one stage holding the whole model), --max-batch 8, all 8 submitted at once;
   (b) sequential: the same engine with max_batch 1 (what a worker did before issue 15);
   (c) mlx_lm.batch_generate of the same prompts (its BatchGenerator);
@@ -55,7 +55,7 @@ def prompts(tokenizer: object, n: int = 8) -> list[list[int]]:
 
 def run_engine(stage: object, ids: list[list[int]], tokens: int, max_batch: int) -> tuple[float, dict[str, list[int]]]:
     from p2pmesh.worker.pipeline import Engine
-    from p2pmesh.worker.scheduler import Sampling, Scheduler, Token
+    from p2pmesh.core.batching import Sampling, Scheduler, Token
 
     sched = Scheduler(max_batch=max_batch, max_queue=len(ids), prefill_chunk=128)
     engine = Engine(stage, None)  # type: ignore[arg-type]

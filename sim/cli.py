@@ -3,7 +3,7 @@
   python -m sim run --seed S --nodes N --duration-s T [--faults F,...] [--trace FILE] [--plant NAME]
   python -m sim sweep --seeds A-B --nodes N --duration-s T [--faults all] [--plant NAME] [--workers K]
   python -m sim rings --seeds A-B [--nodes N]
-  python -m sim serving --seeds A-B [--nodes N] [--faults F,...] [--workers K] [--trace FILE]
+  python -m sim serving --seeds A-B [--nodes N] [--faults F,...] [--concurrency C] [--max-queue Q] [--workers K] [--trace FILE]
   python -m sim chaos --schedule FILE | --seed S | --seeds A-B [--hosts N --minutes M]  (sim/chaos_cli.py)
   python -m sim plants
   python -m sim demo
@@ -160,40 +160,68 @@ def _add_serving_parser(sub: Any) -> None:
                     help="which prompts the fake head reports back as tokens (default: drawn per seed)")
     sp.add_argument("--unordered", action="store_true", help="let inference frames reorder on a link (a gap)")
     sp.add_argument("--fresh-origins", action="store_true", help="let clients ask Macs that just joined (a gap)")
+    sp.add_argument("--concurrency", type=_positive, default=None,
+                    help="most requests a client burst asks at once at one member (default 16; a burst asks a quarter to all of it)")
+    sp.add_argument("--max-queue", type=_non_negative, default=None,
+                    help="requests a head worker queues beyond its batch; more are refused busy (default: drawn per seed)")
     sp.add_argument("--workers", type=int, default=1)
     sp.add_argument("--trace", default=None, help="write the event trace of the (single) seed to FILE")
 
 
-def _serving_job(job: tuple[int, int | None, tuple[str, ...], str | None, bool, bool]) -> Any:
-    from sim.serving_scenario import run_serving_seed
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
 
-    seed, nodes, faults, report_prompt, unordered, fresh = job
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+    return value
+
+
+_ServingJob = tuple[int, int | None, tuple[str, ...], str | None, bool, bool, int | None, int | None]
+
+
+def _serving_job(job: _ServingJob, trace: Any = None) -> Any:
+    from sim.serving_scenario import CONCURRENCY, run_serving_seed
+
+    seed, nodes, faults, report_prompt, unordered, fresh, concurrency, max_queue = job
     return run_serving_seed(seed, nodes=nodes, faults=faults, report_prompt=report_prompt, ordered=not unordered,
-                            fresh_origins=fresh)
+                            fresh_origins=fresh, concurrency=concurrency or CONCURRENCY, max_queue=max_queue, trace=trace)
 
 
 def _serving(args: argparse.Namespace) -> int:
-    from sim.serving_scenario import FAULT_KINDS, run_serving_seed
+    from sim.serving_scenario import FAULT_KINDS
 
     if args.trace and len(args.seeds) != 1:
         print("--trace needs a single seed", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    jobs = [(s, args.nodes, args.faults, args.report_prompt, args.unordered, args.fresh_origins) for s in args.seeds]
+    jobs: list[_ServingJob] = [
+        (s, args.nodes, args.faults, args.report_prompt, args.unordered, args.fresh_origins, args.concurrency, args.max_queue)
+        for s in args.seeds
+    ]
     if args.trace:
         with open(args.trace, "w", encoding="utf-8") as trace:
-            s, nodes, faults, report, unordered, fresh = jobs[0]
-            results: Any = [run_serving_seed(s, nodes=nodes, faults=faults, report_prompt=report, ordered=not unordered,
-                                             fresh_origins=fresh, trace=trace)]
+            results: Any = [_serving_job(jobs[0], trace)]
     elif args.workers > 1:
         pool = multiprocessing.get_context("fork").Pool(args.workers)
         results = pool.imap(_serving_job, jobs)
     else:
         results = map(_serving_job, jobs)
     failures = requests = completed = resumed = errors = orphaned = 0
+    cancelled = busy = busy_gave_up = freed = most_running = 0
+    batches: list[int] = []
     first_failure: dict[str, Any] | None = None
     first: list[float] = []
     back: list[float] = []
+    ttft: list[float] = []
     digests: list[str] = []
     for r in results:
         requests += r.requests
@@ -201,6 +229,13 @@ def _serving(args: argparse.Namespace) -> int:
         resumed += r.resumed
         errors += r.errors
         orphaned += r.orphaned
+        cancelled += r.cancelled
+        busy += r.busy
+        busy_gave_up += r.busy_gave_up
+        freed += r.head_cancels
+        most_running = max(most_running, r.most_running)
+        batches += [b for b in (r.batch_min, r.batch_max) if b]
+        ttft += r.ttft_ms
         back += r.back_to_serving_ms
         digests.append(r.trace_digest)
         if r.first_serving_ms is not None:
@@ -212,6 +247,8 @@ def _serving(args: argparse.Namespace) -> int:
             extra += f" --report-prompt {args.report_prompt}" if args.report_prompt else ""
             extra += " --unordered" if args.unordered else ""
             extra += " --fresh-origins" if args.fresh_origins else ""
+            extra += f" --concurrency {args.concurrency}" if args.concurrency else ""
+            extra += f" --max-queue {args.max_queue}" if args.max_queue is not None else ""
             print(f"seed {r.seed}: violated {r.violation}: {r.detail} "
                   f"(replay: python -m sim serving --seeds {r.seed} --nodes {r.nodes}{extra})", flush=True)
     if args.workers > 1 and not args.trace:
@@ -228,6 +265,12 @@ def _serving(args: argparse.Namespace) -> int:
         "orphaned_requests": orphaned,
         "first_serving_ms": {"p50": _pct(first, 0.5), "p99": _pct(first, 0.99), "max": _pct(first, 1.0)},
         "back_to_serving_ms": {"p50": _pct(back, 0.5), "p99": _pct(back, 0.99), "max": _pct(back, 1.0), "count": len(back)},
+        "cancelled_requests": cancelled,
+        "busy_refusals": busy,
+        "busy_gave_up": busy_gave_up,
+        "cancels_freeing_a_slot": freed,
+        "ttft_ms": {"p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99), "max": _pct(ttft, 1.0), "count": len(ttft)},
+        "batch": {"min": min(batches, default=None), "max": max(batches, default=None), "most_running": most_running},
         "wall_s": round(time.perf_counter() - started, 3),
     }
     if len(digests) == 1:

@@ -13,17 +13,21 @@ drive, and this module carries out their decisions with fake processes on virtua
   core: the fake workers emit worker/protocol.py events (``ready``, ``token``, ``done``),
   which the book turns into ``WorkerLoaded`` and ``WorkerOutput`` exactly as the agent does;
   a worker whose process exits is reported as ``WorkerCrashed`` by the book, once;
-- the head's ``Effects.submits`` (``machine.advance``) go to the book and to its rank-0 fake worker (``observe``, the
-  one place this module reads them).
-The fake model, the fake timings and the faults (a group breaks, stalls) are this module's.
+- the head's ``Effects.submits`` (``machine.advance``: ``WorkerSubmit`` and ``WorkerCancel``)
+  go to the book and to its rank-0 fake worker (``observe``, the one place this module reads
+  them), as the supervisor writes generate and cancel commands;
+- the head worker's batching: the worker's own ``Scheduler`` (core/batching.py), run by
+  sim/fake_head.py on virtual time with the epoch's batch (``WantedWorker.batch``, the
+  placement's) and this data plane's queue bound; beyond them it answers ``busy``.
+The fake model (sim/fake_model.py), the fake timings and the faults (a group breaks, stalls)
+are the simulator's.
 
-The fake model is a pure function of the context: the next token is a hash of every token
-before it (prompt plus generated), so a request resumed elsewhere with the tokens generated
-so far continues exactly as an uninterrupted run would (greedy decoding). Text prompts are
-tokenized by a hash per word, reported once in ``prompt_tokens`` of the first output
-(``report_prompt="text"``; "none" is what p2pmesh/worker/serve.py does today, so the origin
-must replay the request from its prompt and skip what its client already has; "all" also
-echoes prompts that arrived as tokens).
+The fake model is a pure function of the context, so a request resumed elsewhere, or batched
+with others, gets exactly the tokens of an uninterrupted run. Text prompts are tokenized by a
+hash per word, reported once in ``prompt_tokens`` of the first output
+(``report_prompt="text"``; "none" is what p2pmesh/worker/serve.py did before it reported
+prompts, so the origin must replay the request from its prompt and skip what its client
+already has; "all" also echoes prompts that arrived as tokens).
 
 An epoch's worker *group* is modelled like an MLX pipeline over TCP:
 - **broken for good** when any of its ranks' processes is gone: its Mac crashed, left, or
@@ -32,103 +36,45 @@ An epoch's worker *group* is modelled like an MLX pipeline over TCP:
   as MLX hangs on a silent peer. A worker started for a broken epoch never loads.
 - **stalled** while a stage's Mac is paused (asleep) or a pipeline hop is cut: TCP keeps
   the connections, so the group continues when the Mac wakes or the link heals.
-The rank-0 worker runs one request at a time, in submit order (as p2pmesh/worker/serve.py).
+The rank-0 worker batches (continuous batching, as p2pmesh/worker/serve.py): requests join
+and leave the running batch at token boundaries, prompts go in chunks between the others'
+decode steps, and an iteration's virtual time grows with its batch (sim/fake_head.py, which
+also checks FIFO admission, the batch bound, starvation and that a cancel frees its slot).
+While its group is stalled, the iteration in flight waits; once the group is broken, it
+never ends (MLX hangs on a silent peer).
 """
 from __future__ import annotations
 
-import hashlib
 import random
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from p2pmesh.core import dataplane
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.machine import Effects, Mode, Ready
 from p2pmesh.core.messages import Stage
-from p2pmesh.core.serving import GenerateParams, WorkerSubmit
+from p2pmesh.core.serving import WorkerCancel, WorkerCommand
 from p2pmesh.core.stage_fetch import FetchPlanner
 from p2pmesh.core.supervision import WatchedWorker, WorkerBook
+from sim.fake_head import FakeHead, StepCost, draw_cost
+from sim.fake_model import tokenize
 from sim.node import SimNode
 from sim.world import World
 
-VOCAB = 5000
-EOS = 0
-EOS_BELOW = 60
-"""A context whose hash mod VOCAB falls below this ends the generation (finish "stop"):
-about one token in 80, so some requests stop early and most run to max_tokens."""
 FETCH_US = (10_000, 300_000)
 """Time to find a stage's files on disk (the simulated Macs have the model already)."""
 LOAD_US = (200_000, 2_000_000)
-TOKEN_US = (5_000, 25_000)
-"""Per-worker time per token (drawn once per head worker), plus up to 20% jitter."""
-PREFILL_US = (10_000, 60_000)
 STALL_POLL_US = 50_000
 STALL_POLLS_MAX = 20_000
 """A stalled head re-checks its group every 50 ms, at most 1,000 s of virtual time."""
-_MASK = (1 << 64) - 1
+MAX_QUEUE = 64
+"""Requests a head worker queues beyond its batch (the worker's --max-queue default)."""
 
 OK, FORMING, STALLED, BROKEN = "ok", "forming", "stalled", "broken"
 REPORT_PROMPT = ("text", "all", "none")
 
 
 # --------------------------------------------------------------------------------------
-# The fake model: a pure function of the context
-
-
-def _mix(h: int, token: int) -> int:
-    h = ((h ^ (token + 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9) & _MASK
-    return h ^ (h >> 31)
-
-
-def context_hash(tokens: tuple[int, ...] | list[int]) -> int:
-    h = 0x243F6A8885A308D3
-    for t in tokens:
-        h = _mix(h, t)
-    return h
-
-
-def next_token(h: int) -> int:
-    """The greedy next token after a context whose hash is ``h`` (EOS ends it)."""
-    t = h % VOCAB
-    return EOS if t < EOS_BELOW else t
-
-
-def tokenize(prompt: str) -> tuple[int, ...]:
-    """A fake tokenizer: one token per word (never EOS), stable across processes."""
-    out = []
-    for word in prompt.split():
-        digest = hashlib.blake2b(word.encode(), digest_size=8).digest()
-        out.append(EOS_BELOW + int.from_bytes(digest, "big") % (VOCAB - EOS_BELOW))
-    return tuple(out)
-
-
-def expected_output(prompt_tokens: tuple[int, ...], max_tokens: int) -> tuple[tuple[int, ...], str]:
-    """What an uninterrupted greedy run gives: the tokens and the finish reason."""
-    h = context_hash(prompt_tokens)
-    out: list[int] = []
-    for _ in range(max_tokens):
-        t = next_token(h)
-        if t == EOS:
-            return tuple(out), "stop"
-        out.append(t)
-        h = _mix(h, t)
-    return tuple(out), "length"
-
-
-# --------------------------------------------------------------------------------------
 # Workers
-
-
-@dataclass(slots=True)
-class _Job:
-    req: str
-    h: int
-    """Hash of the context so far (prompt plus generated)."""
-    left: int
-    report_prompt: tuple[int, ...]
-    attempt: int = 0
-    first: bool = True
-    polls: int = 0
 
 
 @dataclass(slots=True)
@@ -139,13 +85,16 @@ class FakeWorker:
     rank: int
     stages: tuple[Stage, ...]
     started_us: int
-    token_us: int
+    cost: StepCost
     watch: WatchedWorker
     """What the node's WorkerBook knows of it (the agent's supervisor, core/supervision.py)."""
+    head: FakeHead | None = None
+    """Rank 0's command loop (sim/fake_head.py); None on the other ranks."""
     loaded_us: int | None = None
     dead: str | None = None
-    queue: deque[_Job] = field(default_factory=deque)
     busy: bool = False
+    """An iteration is in flight (or waits for a stalled group)."""
+    polls: int = 0
 
 
 @dataclass(slots=True)
@@ -165,6 +114,15 @@ class DataPlaneStats:
     groups_broken: int
     submits: int
     resumed_requests: int
+    busy_refusals: int
+    """Requests a head worker refused busy (its batch and queue full)."""
+    cancels: int
+    """Requests a head worker stopped for a client that hung up."""
+    batch_min: int
+    batch_max: int
+    """The smallest and largest batch a head worker ran with (the placements' batches)."""
+    most_running: int
+    """The most requests one head worker ran at once."""
 
 
 _HEARTBEAT = {"event": "heartbeat"}
@@ -176,11 +134,13 @@ def _seconds(t_us: int) -> float:
 
 
 class DataPlane:
-    def __init__(self, world: World, rng: random.Random, *, report_prompt: str = "text") -> None:
+    def __init__(self, world: World, rng: random.Random, *, report_prompt: str = "text", max_queue: int = MAX_QUEUE) -> None:
         if report_prompt not in REPORT_PROMPT:
             raise ValueError(f"report_prompt must be one of {REPORT_PROMPT}")
         self.world = world
         self.rng = rng
+        self.max_queue = max_queue
+        """Requests each head worker queues beyond its batch; more are refused busy."""
         self.report_prompt = report_prompt
         """Which prompts the head reports back as tokens in its first output: "text" (the
         ones it tokenized), "all" (also those given as tokens) or "none"."""
@@ -198,6 +158,7 @@ class DataPlane:
         """request -> epochs it was submitted to a head worker in (more than one: resumed)."""
         self.started = 0
         self.submits = 0
+        self.heads: list[FakeHead] = []
         world.observers.append(self.observe)
 
     # ------------------------------------------------------------------------------
@@ -208,7 +169,7 @@ class DataPlane:
         state, and its submits go to the head worker (the one place this module reads them)."""
         self.reconcile(node)
         for s in effects.submits:
-            self._submit(node, s)
+            self._command(node, s)
 
     def reconcile(self, node: SimNode) -> None:
         """What the agent's tasks do on a new snapshot: the fetch task looks for a stage to
@@ -279,7 +240,13 @@ class DataPlane:
 
     def stats(self) -> DataPlaneStats:
         resumed = sum(1 for epochs in self.submitted.values() if len(epochs) > 1)
-        return DataPlaneStats(self.started, len(self.loaded_ever), len(self.broken), self.submits, resumed)
+        heads = self.heads
+        return DataPlaneStats(
+            self.started, len(self.loaded_ever), len(self.broken), self.submits, resumed,
+            sum(h.busy_refusals for h in heads), sum(h.cancels for h in heads),
+            min((h.max_batch for h in heads), default=0), max((h.max_batch for h in heads), default=0),
+            max((h.most_running for h in heads), default=0),
+        )
 
     # ------------------------------------------------------------------------------
     # Lifecycle
@@ -339,9 +306,11 @@ class DataPlane:
 
     def _start(self, node: SimNode, agent: _Agent, want: dataplane.WantedWorker) -> None:
         watch = agent.book.started(want, _seconds(self.world.now_us))
-        w = FakeWorker(
-            node.index, node.gen, want.epoch, want.rank, want.stages, self.world.now_us, self.rng.randint(*TOKEN_US), watch
-        )
+        w = FakeWorker(node.index, node.gen, want.epoch, want.rank, want.stages, self.world.now_us, draw_cost(self.rng), watch)
+        if want.rank == 0:
+            # One decode group per stage, as the worker's default (--micro-batches).
+            w.head = FakeHead(want.batch, self.max_queue, len(want.stages), w.cost)
+            self.heads.append(w.head)
         self.workers[node.index][want.epoch] = w
         self.started += 1
         delay = self.rng.randint(*LOAD_US)
@@ -360,8 +329,9 @@ class DataPlane:
         self.loaded_ever.add((node.node_id, w.epoch))
         self.world.note(f"{node.name} worker epoch={w.epoch} loaded")
         self._emit(node, w, {"event": "ready", "rank": w.rank})  # deferred while the Mac sleeps
-        if w.queue and not w.busy:
-            self._schedule(node, w, self.rng.randint(*PREFILL_US))
+        if w.head is not None:
+            w.head.loaded_us = w.loaded_us
+            self._kick(node, w)
 
     def _emit(self, node: SimNode, w: FakeWorker, event: dict[str, object]) -> None:
         """A worker event (worker/protocol.py) read by its agent: the input it means to the
@@ -374,65 +344,81 @@ class DataPlane:
             self.world.call(node, got)
 
     # ------------------------------------------------------------------------------
-    # The head: one request at a time
+    # The head: its commands, and its loop's iterations on virtual time
 
-    def _submit(self, node: SimNode, s: WorkerSubmit) -> None:
+    def _command(self, node: SimNode, s: WorkerCommand) -> None:
+        """A generate or cancel command for the epoch's head worker here, as the agent's
+        Supervisor.submit writes it (agent/tasks/workers.py)."""
+        if isinstance(s, WorkerCancel):
+            self._cancel(node, s)
+            return
         self.submits += 1
         self.submitted.setdefault(s.req, set()).add(s.epoch)
         p = s.params
         what = f"{len(p.prompt_tokens)} prompt tokens" if p.prompt_tokens else "a text prompt"
         self.world.note(f"{node.name} head epoch={s.epoch} gets {s.req}: {what}, {p.max_tokens} to generate")
-        w = self.workers.get(node.index, {}).get(s.epoch)
+        w = self._head(node, s.epoch)
         agent = self.agents.get(node.index)
-        if (w is None or w.dead is not None or agent is None or agent.gen != w.gen
-                or agent.book.submit(s.epoch, f"{s.req}@{s.attempt}", _seconds(self.world.now_us)) is None):
+        if w is None or agent is None or agent.book.submit(s.epoch, f"{s.req}@{s.attempt}", _seconds(self.world.now_us)) is None:
             # The agent's supervisor has no head worker for the epoch here: the request
             # waits with its origin for the next epoch.
             return
-        w.queue.append(self._job(s.req, s.params, s.attempt))
-        if not w.busy and w.loaded_us is not None:
-            self._schedule(node, w, self.rng.randint(*PREFILL_US))
-
-    def _job(self, req: str, p: GenerateParams, attempt: int) -> _Job:
+        assert w.head is not None
         if p.prompt_tokens:
             tokens, report = p.prompt_tokens, (p.prompt_tokens if self.report_prompt == "all" else ())
         else:
             tokens = tokenize(p.prompt or "")
             report = tokens if self.report_prompt != "none" else ()
-        return _Job(req, context_hash(tokens), p.max_tokens, report, attempt)
+        for event in w.head.submit(f"{s.req}@{s.attempt}", tokens, p.max_tokens, report, self.world.now_us):
+            self._emit(node, w, event)
+        self._kick(node, w)
 
-    def _schedule(self, node: SimNode, w: FakeWorker, delay_us: int) -> None:
-        w.busy = True
-        self.world.at(self.world.now_us + delay_us, lambda: self._step(node, w))
+    def _cancel(self, node: SimNode, s: WorkerCancel) -> None:
+        w = self._head(node, s.epoch)
+        agent = self.agents.get(node.index)
+        if w is None or agent is None or agent.book.head(s.epoch) is None:
+            return
+        assert w.head is not None
+        self.world.note(f"{node.name} head epoch={s.epoch} cancels {s.req}@{s.attempt}")
+        for event in w.head.cancel(f"{s.req}@{s.attempt}"):
+            self._emit(node, w, event)
 
-    def _step(self, node: SimNode, w: FakeWorker) -> None:
-        """Produce one token of the request at the head of the queue (if the group works)."""
-        w.busy = False
-        if self.workers.get(node.index, {}).get(w.epoch) is not w or not self._alive(node, w) or not w.queue:
+    def _head(self, node: SimNode, epoch: int) -> FakeWorker | None:
+        """The epoch's live rank-0 fake worker here, run by this node's agent process."""
+        w = self.workers.get(node.index, {}).get(epoch)
+        agent = self.agents.get(node.index)
+        if w is None or w.head is None or w.dead is not None or agent is None or agent.gen != w.gen:
+            return None
+        return w
+
+    def _kick(self, node: SimNode, w: FakeWorker) -> None:
+        """Start the head's next iteration if it is free and has work."""
+        if w.busy or w.loaded_us is None or w.head is None or not self._current(node, w):
+            return
+        took = w.head.start(self.rng)
+        if took is not None:
+            w.busy = True
+            self.world.at(self.world.now_us + took, lambda: self._iteration_ends(node, w))
+
+    def _current(self, node: SimNode, w: FakeWorker) -> bool:
+        return self.workers.get(node.index, {}).get(w.epoch) is w and self._alive(node, w)
+
+    def _iteration_ends(self, node: SimNode, w: FakeWorker) -> None:
+        """The iteration in flight ends if the group works: its tokens and ends go out."""
+        assert w.head is not None
+        if not self._current(node, w):
             return
         status = self.group_status(w.epoch, w.stages)
-        job = w.queue[0]
         if status == BROKEN:
             return  # MLX hangs on a silent peer: nothing more comes out, and no error
         if status != OK:
-            job.polls += 1
-            if job.polls <= STALL_POLLS_MAX:
-                self._schedule(node, w, STALL_POLL_US)
+            w.polls += 1
+            if w.polls <= STALL_POLLS_MAX:
+                w.head.stall(STALL_POLL_US)
+                self.world.at(self.world.now_us + STALL_POLL_US, lambda: self._iteration_ends(node, w))
             return
-        tok = next_token(job.h) if job.left > 0 else None
-        ident = f"{job.req}@{job.attempt}"
-        prompt, job.first = (job.report_prompt if job.first else ()), False
-        first: dict[str, object] = {"prompt_tokens": list(prompt)} if prompt else {}
-        if tok is None or tok == EOS:  # EOS, or nothing left to generate (a resume asks only for the rest)
-            self._emit(node, w, {"event": "done", "id": ident, "finish": "length" if tok is None else "stop", **first})
-            w.queue.popleft()
-        else:
-            job.h = _mix(job.h, tok)
-            job.left -= 1
-            self._emit(node, w, {"event": "token", "id": ident, "token": tok, "text": f"t{tok} ", **first})
-            if job.left <= 0:
-                self._emit(node, w, {"event": "done", "id": ident, "finish": "length"})
-                w.queue.popleft()
-        if w.queue:
-            jitter = self.rng.randint(0, w.token_us // 5)
-            self._schedule(node, w, w.token_us + jitter)
+        w.polls = 0
+        w.busy = False
+        for event in w.head.finish(self.world.now_us):
+            self._emit(node, w, event)
+        self._kick(node, w)

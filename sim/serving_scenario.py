@@ -5,7 +5,12 @@ A run (virtual time, all drawn from the seed):
    member (ProposalRequested(SetModel)); every Mac measures it (ModelMeasured, with memory
    drawn so that two or more stages are often needed, and any two Macs hold it); the
    cluster must be *serving* within SERVING_BOUND_US;
-2. clients ask random members for generations (GenerateRequested) all through the run;
+2. clients ask random members for generations (GenerateRequested) all through the run, in
+   bursts of several at once at one member (``concurrency``: up to 16 by default); some hang
+   up before the end (GenerateCancelled); one refused busy (the head's batch and queue are
+   full) asks again a little later, a bounded number of times. The model's batch (the
+   concurrency the placement reserves KV cache for) and the head workers' queue bound are
+   drawn from the seed;
 3. STEPS changes, one at a time: a Mac crashes and restarts, sleeps and wakes (each for
    2-4 s, long enough to be marked down), a brand-new Mac joins, or one leaves gracefully.
    After each (from the restart, the wake-up, the join, the leave), the cluster must be
@@ -28,6 +33,15 @@ Checks (InvariantViolated):
   the request made no progress for serving.STALL_MS (the Router's own bound, when no epoch
   serves or the serving one is stuck); requests whose origin Mac crashed or left
   count as *orphaned* (the client's connection died with it) and are reported, not judged;
+  an error is also allowed when its code is BUSY (the head's batch and queue were full):
+  the client asks again, and the refusal is neither lost nor an error; a request whose
+  client hung up gets nothing after its cancel;
+- ``ttft``: a request that got tokens reports its time to first token on its last event, no
+  longer than the time from its ask to its first token at the client;
+- at the head's fake worker (sim/fake_head.py): ``fifo-admission``, ``batch-bound``,
+  ``starved`` (a request's first output comes within a bound that follows from the work
+  queued and running ahead of it) and ``cancel-frees-slot`` (a cancelled request holds no
+  slot, and is gone from the batch after the iteration in flight);
 - ``back-to-serving``: the bound above, after every change and after healing.
 
 Opt-in fault kinds show known gaps of the core (docs/simulator.md, "The data plane"):
@@ -43,6 +57,7 @@ from typing import TextIO
 
 from p2pmesh.core.machine import (
     Effects,
+    GenerateCancelled,
     GenerateRequested,
     Machine,
     Mode,
@@ -53,6 +68,7 @@ from p2pmesh.core.machine import (
 from p2pmesh.core.messages import (
     ActivatePlacement,
     ClusterState,
+    InferCancel,
     InferRequest,
     InferTokens,
     Measure,
@@ -61,9 +77,11 @@ from p2pmesh.core.messages import (
     SetPlacement,
     Stage,
 )
+from p2pmesh.core.protocol import ErrorCode
 from p2pmesh.core.serving import STALL_MS, ClientEvent, GenerateParams
 from sim.checks import InvariantViolated
-from sim.dataplane import OK, DataPlane, expected_output, tokenize
+from sim.dataplane import OK, DataPlane
+from sim.fake_model import expected_output, tokenize
 from sim.node import SimNode
 from sim.scenario import SIM_SETTINGS
 from sim.world import World
@@ -74,23 +92,44 @@ SERVING_BOUND_US = 10_000_000
 within 10 s of virtual time: failure detection (1 s), a commit, the longest worker load
 (2 s) and the activation fit with room to spare."""
 DRAIN_BOUND_US = 30_000_000
+"""After the clients stop, the requests left must all end, with no 30 s of virtual time in
+which no client sees progress (a token, an end, an ask): queued behind a small batch they may
+take a while, but a request that no one serves is lost."""
+DRAIN_MAX_US = 600_000_000
+"""And the drain ends within 600 s of virtual time, whatever progress (a bounded loop)."""
 STEPS = 5
 FAULT_US = (2_000_000, 4_000_000)
 SHORT_FAULT_US = (100_000, 700_000)
 IDLE_US = (300_000, 1_500_000)
-REQUEST_GAP_US = 350_000
-"""Mean gap between client requests (Poisson)."""
+BURST_GAP_US = 2_000_000
+"""Mean gap between bursts of client requests (Poisson)."""
+CONCURRENCY = 16
+"""Most requests a client burst asks at once at one member (the least is a quarter)."""
 REQUESTS_MAX = 400
 MAX_TOKENS = (1, 40)
+PROMPT_WORDS = (1, 12)
+LONG_PROMPTS = 0.1
+"""Share of prompts of LONG_PROMPT_WORDS: many prefill chunks among the others' decode steps."""
+LONG_PROMPT_WORDS = (20, 60)
 TOKEN_PROMPTS = 0.25
 """Share of requests that arrive as prompt tokens rather than text."""
+HANG_UPS = 0.1
+"""Share of requests whose client hangs up after HANG_UP_US (if not done by then)."""
+HANG_UP_US = (5_000, 2_000_000)
+BUSY_RETRIES = 8
+"""Times a client refused busy asks again, after BUSY_RETRY_US times its retries so far."""
+BUSY_RETRY_US = (200_000, 800_000)
+BATCHES = (2, 4, 8, 8, 16)
+"""The model's batch (ModelInfo.batch); the placement lowers it where memory is short."""
+QUEUES = (0, 8, 32, 64)
+"""The head workers' queue bound beyond the batch (the worker's --max-queue)."""
 EXTRA_NODES_MAX = 2
 SMALL_MACS = 1 / 3
 """Share of runs whose Macs are small enough that three may be needed (else two)."""
 FAULT_KINDS = ("crash", "pause", "join", "leave")
 GAP_KINDS = ("worker-death", "short-crash", "short-pause")
 LAYER_BYTES = 1_000_000
-KV_BYTES = 1_000
+KV_BYTES = 50
 CONTEXT = 1_000
 EMBED_BYTES = 3_000_000
 
@@ -104,12 +143,20 @@ class _Request:
     prompt_tokens: tuple[int, ...]
     max_tokens: int
     issued_us: int
+    params: GenerateParams
     progress_us: int = 0
     """When the client last saw progress (issue time, then each token)."""
+    first_token_us: int | None = None
     tokens: list[int] = field(default_factory=list)
     done: bool = False
     finish: str = ""
     text: str = ""
+    retries: int = 0
+    """Times this client was refused busy and asked again before (this ask is the next)."""
+    refused: bool = False
+    """Refused busy (its next ask, if any, is ``_retry_id`` of it)."""
+    retry_pending: bool = False
+    """Refused busy: it asks again soon (not done for the drain)."""
 
 
 @dataclass(slots=True)
@@ -129,6 +176,21 @@ class ServingRun:
     """Requests submitted to head workers in more than one epoch."""
     errors: int = 0
     orphaned: int = 0
+    cancelled: int = 0
+    """Requests whose client hung up before their end."""
+    busy: int = 0
+    """Requests refused busy (each asked again, up to BUSY_RETRIES times)."""
+    busy_gave_up: int = 0
+    """Clients refused busy BUSY_RETRIES times in a row (reported, not judged)."""
+    head_busy_refusals: int = 0
+    head_cancels: int = 0
+    """Cancels that freed a slot (or a place in the queue) at a head worker."""
+    batch_min: int = 0
+    batch_max: int = 0
+    most_running: int = 0
+    max_queue: int = 0
+    ttft_ms: list[int] = field(default_factory=list)
+    """Time to first token (ClientEvent.ttft_ms) of every completed request with tokens."""
     first_serving_ms: float | None = None
     back_to_serving_ms: list[float] = field(default_factory=list)
     """From each change (restart, wake-up, join, leave, heal) to serving again."""
@@ -151,9 +213,14 @@ class ServingScenario:
         report_prompt: str | None = None,
         ordered: bool = True,
         fresh_origins: bool = False,
+        concurrency: int = CONCURRENCY,
+        max_queue: int | None = None,
     ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
         self.seed = seed
         self.fresh_origins = fresh_origins
+        self.concurrency = concurrency
         self.rng = random.Random(seed ^ 0x5E4F1)
         self.world = World(seed, nodes=nodes, settings=SIM_SETTINGS, machine_class=machine_class, trace=trace)
         # Mostly the contract serving.py states (text prompts reported back as tokens), a
@@ -161,13 +228,15 @@ class ServingScenario:
         # when given, so that a replay with the value given runs the same seed identically.
         drawn = self.rng.choice(("text", "text", "none"))
         report_prompt = report_prompt or drawn
-        self.dp = DataPlane(self.world, random.Random(seed ^ 0xDA7A), report_prompt=report_prompt)
+        drawn_queue = self.rng.choice(QUEUES)
+        max_queue = drawn_queue if max_queue is None else max_queue
+        self.dp = DataPlane(self.world, random.Random(seed ^ 0xDA7A), report_prompt=report_prompt, max_queue=max_queue)
         self.world.observers.append(self._observe)
         if ordered:
             # The agent's transport is one TLS stream per peer pair: inference frames arrive
             # in order. Raft messages keep the simulator's reordering.
-            self.world.fifo_types = (InferRequest, InferTokens)
-        self.result = ServingRun(seed, nodes, report_prompt=report_prompt)
+            self.world.fifo_types = (InferRequest, InferTokens, InferCancel)
+        self.result = ServingRun(seed, nodes, report_prompt=report_prompt, max_queue=max_queue)
         self.nodes_at_start = nodes
         self.faults = faults
         self.model = self._draw_model()
@@ -176,6 +245,8 @@ class ServingScenario:
         self.measures: dict[int, Measure] = {}
         self.requests: dict[str, _Request] = {}
         self.clients_on = False
+        self.progress_us = 0
+        """When a client last saw progress (an ask, a token, an end): the drain's clock."""
         self.placements: dict[int, tuple[Stage, ...]] = {}
         self.activations_checked: set[int] = set()
 
@@ -192,9 +263,11 @@ class ServingScenario:
         w = self.world
         r = self.result
         r.events, r.sim_us, r.trace_digest = w.events, w.now_us, w.trace_digest()
-        r.resumed = self.dp.stats().resumed_requests
-        r.groups_broken = self.dp.stats().groups_broken
-        r.orphaned = sum(1 for q in self.requests.values() if not q.done and self._orphaned(q))
+        stats = self.dp.stats()
+        r.resumed, r.groups_broken = stats.resumed_requests, stats.groups_broken
+        r.head_busy_refusals, r.head_cancels = stats.busy_refusals, stats.cancels
+        r.batch_min, r.batch_max, r.most_running = stats.batch_min, stats.batch_max, stats.most_running
+        r.orphaned = sum(1 for q in self.requests.values() if (not q.done or q.retry_pending) and self._orphaned(q))
         leader = w.leader()
         if leader is not None and leader.machine is not None and leader.machine.raft is not None:
             r.epochs = leader.machine.raft.state.placement_epoch
@@ -224,7 +297,7 @@ class ServingScenario:
             w.run_until(w.now_us + self.rng.randint(*IDLE_US))
         self._heal()
         self.clients_on = False
-        if not w.run_until(w.now_us + DRAIN_BOUND_US, stop=lambda: not self._pending()):
+        if not self._drain():
             lost = self._pending()
             q = lost[0]
             raise InvariantViolated(
@@ -233,18 +306,34 @@ class ServingScenario:
                 f"{len(q.tokens)} of {q.max_tokens} tokens, submitted in epochs {sorted(self.dp.submitted.get(q.req, ()))})",
             )
 
+    def _drain(self) -> bool:
+        """Run until no request is pending (True), or no client saw progress for
+        DRAIN_BOUND_US, or DRAIN_MAX_US have passed (False)."""
+        w = self.world
+        give_up = w.now_us + DRAIN_MAX_US
+        self.progress_us = w.now_us
+        while True:
+            if w.run_until(min(self.progress_us + DRAIN_BOUND_US, give_up), stop=lambda: not self._pending()):
+                return True
+            if w.now_us >= give_up or w.now_us >= self.progress_us + DRAIN_BOUND_US:
+                return not self._pending()
+
     # ------------------------------------------------------------------------------
     # The model and the measurements
 
     def _draw_model(self) -> ModelInfo:
         layers = self.rng.randint(8, 64)
         self.result.layers = layers
-        return ModelInfo(f"fake-{layers}l", layers, LAYER_BYTES, KV_BYTES, CONTEXT, 4096, EMBED_BYTES)
+        batch = self.rng.choice(BATCHES)
+        return ModelInfo(f"fake-{layers}l", layers, LAYER_BYTES, KV_BYTES, CONTEXT, 4096, EMBED_BYTES, batch)
 
     def _measure(self, node: SimNode) -> None:
         """What the agent does at boot once a model is set: measure it on this Mac."""
         m = self.measures.get(node.index)
         if m is None:
+            # Sized for one request at a time, so that pipelines of two or three Macs are
+            # the rule: the batch is what the chosen Macs' slack holds (fit.largest_batch),
+            # often less than the model's.
             per_layer = LAYER_BYTES + KV_BYTES * CONTEXT
             total = self.model.layers * per_layer + 2 * EMBED_BYTES
             # At least 1/need of the whole model plus two layers of slack, so any ``need``
@@ -401,6 +490,7 @@ class ServingScenario:
     # Clients
 
     def _client(self) -> None:
+        """A burst of requests at one member, then the next burst after a Poisson gap."""
         w = self.world
         if not self.clients_on or self.result.requests >= REQUESTS_MAX:
             return
@@ -408,22 +498,73 @@ class ServingScenario:
         if not self.fresh_origins:
             live = [n for n in live if self._known_everywhere(n)]
         if live:
-            self._issue(self.rng.choice(live))
-        w.at(w.now_us + 1 + int(self.rng.expovariate(1 / REQUEST_GAP_US)), self._client)
+            origin = self.rng.choice(live)
+            for _ in range(self.rng.randint(max(1, self.concurrency // 4), self.concurrency)):
+                if self.result.requests < REQUESTS_MAX:
+                    self._issue(origin)
+        w.at(w.now_us + 1 + int(self.rng.expovariate(1 / BURST_GAP_US)), self._client)
 
     def _issue(self, origin: SimNode) -> None:
-        w = self.world
         rng = self.rng
         self.result.requests += 1
         req = f"r{self.result.requests}"
-        text = " ".join(f"w{rng.randrange(10_000)}" for _ in range(rng.randint(1, 12)))
+        words = rng.randint(*(LONG_PROMPT_WORDS if rng.random() < LONG_PROMPTS else PROMPT_WORDS))
+        text = " ".join(f"w{rng.randrange(10_000)}" for _ in range(words))
         tokens = tokenize(text)
         as_tokens = rng.random() < TOKEN_PROMPTS
         max_tokens = rng.randint(*MAX_TOKENS)
         params = GenerateParams(None if as_tokens else text, tokens if as_tokens else (), max_tokens, 0.0, 1.0, 0)
-        self.requests[req] = _Request(req, origin.index, origin.gen, tokens, max_tokens, w.now_us, w.now_us)
-        w.note(f"client asks {origin.name} for {req} ({max_tokens} tokens{', as tokens' if as_tokens else ''})")
+        self._ask(origin, req, tokens, params, 0, f"{', as tokens' if as_tokens else ''}")
+        if rng.random() < HANG_UPS:
+            self.world.at(self.world.now_us + rng.randint(*HANG_UP_US), lambda: self._hang_up(req))
+
+    def _ask(self, origin: SimNode, req: str, tokens: tuple[int, ...], params: GenerateParams, retries: int, how: str) -> None:
+        w = self.world
+        self.requests[req] = _Request(req, origin.index, origin.gen, tokens, params.max_tokens, w.now_us, params, w.now_us,
+                                      retries=retries)
+        self.progress_us = w.now_us
+        w.note(f"client asks {origin.name} for {req} ({params.max_tokens} tokens{how})")
         w.call(origin, GenerateRequested(req, params))
+
+    def _hang_up(self, req: str) -> None:
+        """The client of ``req`` (or of its latest ask after busy refusals) goes away."""
+        q = self.requests.get(req)
+        while q is not None and q.refused:
+            again = self.requests.get(self._retry_id(q))
+            if again is None:
+                if q.retry_pending and not self._orphaned(q):  # it hangs up before asking again
+                    q.retry_pending = False
+                    self.result.cancelled += 1
+                return
+            q = again
+        if q is None or q.done or self._orphaned(q):
+            return
+        q.done, q.finish = True, "cancelled"
+        self.result.cancelled += 1
+        self.world.note(f"client of {q.req} hangs up")
+        self.world.call(self.world.nodes[q.origin], GenerateCancelled(q.req))
+
+    @staticmethod
+    def _retry_id(q: _Request) -> str:
+        return f"{q.req.split('+')[0]}+{q.retries + 1}"
+
+    def _busy(self, q: _Request) -> None:
+        """Refused busy: the client asks the same member again a little later (bounded)."""
+        self.result.busy += 1
+        q.refused = True
+        if q.retries >= BUSY_RETRIES:
+            self.result.busy_gave_up += 1
+            return
+        q.retry_pending = True
+        w = self.world
+
+        def again() -> None:
+            if not q.retry_pending or self._orphaned(q):
+                return  # its client hung up, or went with its Mac (counted as orphaned)
+            q.retry_pending = False
+            self._ask(w.nodes[q.origin], self._retry_id(q), q.prompt_tokens, q.params, q.retries + 1, ", asked again after busy")
+
+        w.at(w.now_us + self.rng.randint(*BUSY_RETRY_US) * (q.retries + 1), again)
 
     def _known_everywhere(self, origin: SimNode) -> bool:
         """Every running member has applied this Mac's membership. A head drops inference
@@ -439,7 +580,7 @@ class ServingScenario:
         return True
 
     def _pending(self) -> list[_Request]:
-        return [q for q in self.requests.values() if not q.done and not self._orphaned(q)]
+        return [q for q in self.requests.values() if (not q.done or q.retry_pending) and not self._orphaned(q)]
 
     def _orphaned(self, q: _Request) -> bool:
         return self.world.nodes[q.origin].gen != q.gen
@@ -492,12 +633,19 @@ class ServingScenario:
             raise InvariantViolated("client-after-done", f"{node.name} reported {ev.req}, which no client asked it for")
         if q.done:
             raise InvariantViolated("client-after-done", f"{node.name} reported {ev.req} again after its end ({q.finish})")
+        if ev.tokens or ev.done:
+            self.progress_us = self.world.now_us
         if ev.tokens:
             q.tokens.extend(ev.tokens)
             q.progress_us = self.world.now_us
+            if q.first_token_us is None:
+                q.first_token_us = self.world.now_us
         if not ev.done:
             return
         q.done, q.finish, q.text = True, ev.finish, ev.text
+        if q.finish == "error" and ev.code == ErrorCode.BUSY:
+            self._busy(q)
+            return
         if q.finish == "error":
             # The Router's own bound: a request that made no progress for STALL_MS (no
             # serving epoch, or one that is stuck) ends with an error; nothing else may.
@@ -515,7 +663,21 @@ class ServingScenario:
                 f"{q.req} at {node.name}: {len(got)} tokens ({q.finish}), expected {len(want)} ({finish}); first difference "
                 f"at token {first}; submitted in epochs {sorted(self.dp.submitted.get(q.req, ()))}",
             )
+        self._check_ttft(q, ev, node)
         self.result.completed += 1
+
+    def _check_ttft(self, q: _Request, ev: ClientEvent, node: SimNode) -> None:
+        """The origin reports the time to first token on the last event of a request that got
+        tokens, measured from the client's ask (a sleeping origin takes the ask late)."""
+        if q.first_token_us is None:
+            if ev.ttft_ms is not None:
+                raise InvariantViolated("ttft", f"{q.req} at {node.name} got no token but reports a ttft of {ev.ttft_ms} ms")
+            return
+        seen_ms = (q.first_token_us - q.issued_us) / 1000
+        if ev.ttft_ms is None or not 0 <= ev.ttft_ms <= seen_ms + 1:
+            raise InvariantViolated("ttft", f"{q.req} at {node.name}: ttft {ev.ttft_ms} ms, its client saw a first token "
+                                    f"{seen_ms:.0f} ms after asking")
+        self.result.ttft_ms.append(ev.ttft_ms)
 
 
 def run_serving_seed(
@@ -528,10 +690,13 @@ def run_serving_seed(
     report_prompt: str | None = None,
     ordered: bool = True,
     fresh_origins: bool = False,
+    concurrency: int = CONCURRENCY,
+    max_queue: int | None = None,
 ) -> ServingRun:
-    """One run; without ``nodes`` the seed picks 3-6 Macs."""
+    """One run; without ``nodes`` the seed picks 3-6 Macs (without ``max_queue``, the seed
+    picks the head workers' queue bound)."""
     n = 3 + seed % 4 if nodes is None else nodes
     return ServingScenario(
         seed, nodes=n, faults=faults, machine_class=machine_class, trace=trace, report_prompt=report_prompt,
-        ordered=ordered, fresh_origins=fresh_origins,
+        ordered=ordered, fresh_origins=fresh_origins, concurrency=concurrency, max_queue=max_queue,
     ).run()

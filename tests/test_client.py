@@ -51,12 +51,12 @@ PUBLIC_API = {
     "open_client", "connect", "AsyncClient", "Client", "AsyncGeneration", "Generation",
     "Agent",
     "Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "LoadProgress",
-    "LoadedModel", "ModelInfo", "GenerationResult", "Event", "EventKind", "fallback_chat_prompt",
+    "LoadedModel", "ModelInfo", "GenerationResult", "Event", "EventKind", "fallback_chat_prompt", "Requests",
     "P2PMeshError", "AgentNotRunning", "AgentTimeout", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy",
     "ModelRefused", "ModelDoesNotFit", "ModelCannotLoad", "PlacementProblem",
 }
 VALUES = {"Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "LoadProgress",
-          "LoadedModel", "ModelInfo", "GenerationResult", "Event", "PlacementProblem"}
+          "LoadedModel", "ModelInfo", "GenerationResult", "Event", "PlacementProblem", "Requests"}
 ERRORS = {"AgentNotRunning", "AgentTimeout", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy", "ModelRefused",
           "ModelDoesNotFit", "ModelCannotLoad"}
 
@@ -244,6 +244,13 @@ def test_watch_reports_each_change_between_two_statuses() -> None:
     s5 = status("c2", "a" * 32, {"a" * 32: True}, 1, p2pmesh.Placement(1, "m", (stage("a" * 32, 0, 6),), True))
     assert kinds(s4, s5) == [("model_changed", None), ("plan_committed", 1), ("plan_activated", 1)]
     assert all(e.status is s5 for e in _diff(s4, s5))
+    # The head's batch: an event when the requests running or queued change (not tokens/s alone).
+    busy = dataclasses.replace(s5, requests=p2pmesh.Requests(3, 1, 120.5, "a" * 32, 1))
+    assert kinds(s5, busy) == [("requests_changed", "a" * 32)]
+    assert _diff(s5, busy)[0].detail == "3 requests running, 1 queued, 120.5 tokens/s"
+    assert kinds(busy, dataclasses.replace(busy, requests=p2pmesh.Requests(3, 1, 99.0, "a" * 32, 1))) == []
+    assert kinds(busy, dataclasses.replace(busy, requests=p2pmesh.Requests(4, 0, 99.0, "a" * 32, 1))) == [("requests_changed", "a" * 32)]
+    assert kinds(busy, s5) == []  # a report gone stale says nothing
 
 
 # ------------------------------------------------------------------------------------------

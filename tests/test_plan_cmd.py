@@ -107,3 +107,58 @@ def test_missing_file_exits_2(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "p2pmesh", "plan", "solve", str(tmp_path / "nope.json")], cwd=ROOT,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
     assert proc.returncode == 2 and "cannot read" in proc.stderr
+
+
+# --- parallelism (issue 16): the scenarios of tests/fixtures/plans ------------------------------------
+
+PLANS = ROOT / "tests" / "fixtures" / "plans"
+
+
+def _solve(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "p2pmesh", "plan", "solve", str(path), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+
+
+def test_a_pipeline_plan_says_its_parallelism_and_groups(tmp_path: Path) -> None:
+    out = json.loads(_run(tmp_path, SCENARIO, "--json").stdout)
+    assert out["parallelism"] == "single"
+    assert out["groups"] == [{"node_ids": ["max"], "layers": [0, 80]}]
+    out = json.loads(_run(tmp_path, SCENARIO, "--json", "--objective", "throughput").stdout)
+    assert out["parallelism"] == "pipeline"
+    assert out["groups"] == [{"node_ids": [s["node_id"]], "layers": s["layers"]} for s in out["stages"]]
+
+
+def test_four_ultras_with_rdma_get_a_tensor_plan_over_3x_faster(tmp_path: Path) -> None:
+    proc = _solve(PLANS / "tp4-ultra-rdma.json", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["parallelism"] == "tensor" and len(out["groups"]) == 1
+    group = out["groups"][0]
+    assert sorted(group["node_ids"]) == ["ultra0", "ultra1", "ultra2", "ultra3"] and group["layers"] == [0, 80]
+    assert sum(s["heads"] for s in group["shares"]) == 64 and sum(s["columns"] for s in group["shares"]) == 28672
+    assert out["stages"] == [{"node_id": group["node_ids"][0], "layers": [0, 80]}]
+    single = json.loads(_solve(PLANS / "tp4-ultra-rdma.json", "--json", "--parallelism", "pipeline").stdout)
+    assert single["parallelism"] == "single" and single["tpot_ms"] >= 3 * out["tpot_ms"]
+
+
+def test_human_output_names_the_group_and_its_shares() -> None:
+    proc = _solve(PLANS / "tp3-ultra-rdma.json")
+    assert proc.returncode == 0, proc.stderr
+    assert "stage 1: ultra0 + ultra1 + ultra2  layers 0-79 (80 layers, tensor-parallel)" in proc.stdout
+    assert "ultra2: 16 heads (2 KV)" in proc.stdout and "parallelism: tensor" in proc.stdout
+
+
+def test_forced_hybrid_and_a_current_group_plan_from_the_file(tmp_path: Path) -> None:
+    out = json.loads(_solve(PLANS / "tp4-ultra-rdma.json", "--json", "--parallelism", "hybrid").stdout)
+    assert out["parallelism"] == "hybrid" and len(out["groups"]) >= 2
+    data = json.loads((PLANS / "tp4-ultra-rdma.json").read_text(encoding="utf-8"))
+    kept = json.loads(_run(tmp_path, {**data, "current": out, "margin": 0.9}, "--json").stdout)
+    assert kept["groups"] == out["groups"]  # within the margin: kept, groups and shares alike
+
+
+def test_tensor_without_the_model_shape_exits_2(tmp_path: Path) -> None:
+    proc = _run(tmp_path, SCENARIO, "--json", "--parallelism", "tensor")
+    assert proc.returncode == 2 and "model_shape_unknown" in proc.stderr and proc.stdout == ""
+    bad = {**SCENARIO, "model": {**SCENARIO["model"], "hidden_size": 8192}}
+    proc = _run(tmp_path, bad, "--json")
+    assert proc.returncode == 2 and "model.num_attention_heads" in proc.stderr

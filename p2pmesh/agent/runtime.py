@@ -56,10 +56,10 @@ from p2pmesh.core.machine import (
     Ready,
     TimerFired,
 )
-from p2pmesh.core.messages import Capabilities, SetModel
+from p2pmesh.core.messages import Capabilities, LoadReport, SetModel
 from p2pmesh.core import protocol
 from p2pmesh.core.protocol import ErrorCode, RequestInvalid, error_answer
-from p2pmesh.core.serving import ClientEvent, GenerateParams
+from p2pmesh.core.serving import LOAD_STALE_MS, ClientEvent, GenerateParams
 from p2pmesh.drivers import control, files, keys
 from p2pmesh.drivers.storage import Storage
 from p2pmesh.core.advert import Advert
@@ -132,6 +132,8 @@ class Agent:
         self.control_active = 0
         self.started_ms = 0
         self.clients: dict[str, trio.MemorySendChannel[ClientEvent]] = {}
+        self._load: tuple[LoadReport | None, int] = (None, 0)
+        """The serving head's batch report and when the core made or heard it."""
         self._publisher = ViewPublisher(self.identity.node_id)
         self.view = self._publisher.view
         """What the tasks read: committed state that is on disk (agent/ports.py)."""
@@ -327,6 +329,9 @@ class Agent:
             self._publisher.publish(Snapshot(
                 0, self.identity.node_id, m.status(), r.state if r is not None else None, m.facts.ports,
                 m.facts.probes, m.facts.measure, m.router.resumed, m.router.asked_again))
+            # The serving head's batch, for status only (kept out of the tasks' view: it
+            # changes twice a second and no task acts on it).
+            self._load = (m.router.load, m.router.load_ms)
         if ready.left:
             self.left.set()
 
@@ -497,7 +502,8 @@ class Agent:
     def status(self) -> dict[str, Any]:
         """Control op `status`: this agent's view (agent/status.py), as of the last Ready
         whose durable part is saved."""
-        return status_json(self.view.current, self.config.state_dir)
+        load, load_ms = self._load
+        return status_json(self.view.current, self.config.state_dir, load if self.now_ms() - load_ms <= LOAD_STALE_MS else None)
 
 
 def _generate_params(r: dict[str, Any]) -> GenerateParams:

@@ -9,11 +9,12 @@ from typing import Any
 
 from p2pmesh.agent.ports import Snapshot
 from p2pmesh.core import fit
-from p2pmesh.core.messages import ClusterState, PortInfo
+from p2pmesh.core.messages import ClusterState, LoadReport, PortInfo
 from p2pmesh.core.ring_view import ring_json
 
 
-def status_json(snapshot: Snapshot, state_dir: Path) -> dict[str, Any]:
+def status_json(snapshot: Snapshot, state_dir: Path, load: LoadReport | None = None) -> dict[str, Any]:
+    """``load``: the serving head's fresh batch report, if any (the `requests` object)."""
     st = snapshot.status
     if st is None:
         return {"node_id": snapshot.node_id, "pid": os.getpid(), "cluster_id": None, "role": "starting",
@@ -40,14 +41,26 @@ def status_json(snapshot: Snapshot, state_dir: Path) -> dict[str, Any]:
         "leader": st.leader,
         "commit_index": st.commit_index,
         "applied_index": st.applied_index,
+        "durable_index": st.durable_index,
         "healthy": st.healthy,
         "members": members,
         "ring": ring,
         "placement": placement,
+        "requests": requests_json(state, load),
         "requests_resumed": snapshot.requests_resumed,
         "requests_asked_again": snapshot.requests_asked_again,
         "state_dir": str(state_dir),
     }
+
+
+def requests_json(state: ClusterState | None, load: LoadReport | None) -> dict[str, Any] | None:
+    """The status `requests` object: the serving head's batch (requests running in it and
+    queued for a place, its tokens/s over the last seconds), None when no fresh report of
+    the serving epoch's head is at hand (nothing serves, or the head has not said yet)."""
+    if state is None or load is None or load.epoch != state.active_epoch or not state.active:
+        return None
+    return {"active": load.running, "queued": load.queued, "tokens_per_s": load.tokens_per_s,
+            "head": load.src, "epoch": load.epoch}
 
 
 def placement_json(state: ClusterState) -> dict[str, Any]:

@@ -142,6 +142,10 @@ def status_view(status: dict[str, Any]) -> RenderableType:
     if status.get("ring"):
         parts.append(ring_text(status["ring"], status["node_id"]))
     parts.append(placement_text(status.get("placement"), status["node_id"]))
+    requests = status.get("requests")
+    if requests:
+        parts.append(Text(f"requests: {requests['active']} running, {requests['queued']} queued, "
+                          f"{requests['tokens_per_s']:g} tokens/s (head {short(requests['head'], status['node_id'])})"))
     if status.get("requests_resumed"):
         parts.append(Text(f"requests resumed on a new epoch so far: {status['requests_resumed']}"))
     return Group(*parts)

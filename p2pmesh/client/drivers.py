@@ -12,7 +12,7 @@ import socket as stdsocket
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import trio
 
@@ -37,6 +37,7 @@ SOCKET_ENV = "P2PMESH_SOCKET"
 SOCKET_NAME = "agent.sock"
 
 T = TypeVar("T")
+C = TypeVar("C")
 
 
 def locate_socket(address: str | os.PathLike[str] | None) -> tuple[Path, str]:
@@ -85,12 +86,49 @@ def _unexpected(step: Step) -> AssertionError:
     return AssertionError(f"a plan emitted {step!r} where no value is expected")
 
 
-class SyncDriver:
-    """Carries out steps with blocking calls."""
+def _resume(plan: Plan[Any], value: Any) -> tuple[str, Any]:
+    """Send ``value`` into the plan: ("step", the next step to carry out), ("emit", a value it
+    emits) or ("end", its result). The one loop body both drivers share."""
+    try:
+        step = plan.send(value)
+    except StopIteration as stop:
+        return "end", stop.value
+    return ("emit", step.value) if isinstance(step, Emit) else ("step", step)
+
+
+def _result(emitted: bool, value: Any) -> Any:
+    if emitted:
+        raise _unexpected(Emit(value))
+    return value
+
+
+class _Connections(Generic[C]):
+    """The connections a driver opened, closed when its plan ends however it ends."""
 
     def __init__(self, path: Path, how: str) -> None:
         self.path, self.how = path, how
-        self.conns: list[stdsocket.socket] = []
+        self.conns: list[C] = []
+
+    def _shut(self, conn: C) -> None:
+        raise NotImplementedError
+
+    def _close(self, conn: C) -> None:
+        self._shut(conn)
+        if conn in self.conns:
+            self.conns.remove(conn)
+
+    def close(self) -> None:
+        """Close every connection still open (a plan that failed or was abandoned)."""
+        for conn in list(self.conns):
+            self._close(conn)
+
+    def _end(self, plan: Plan[Any]) -> None:
+        plan.close()
+        self.close()
+
+
+class SyncDriver(_Connections[stdsocket.socket]):
+    """Carries out steps with blocking calls."""
 
     def step(self, step: Step) -> Any:
         if isinstance(step, Receive):
@@ -132,38 +170,22 @@ class SyncDriver:
             return step.fn()
         raise _unexpected(step)
 
-    def _close(self, conn: stdsocket.socket) -> None:
+    def _shut(self, conn: stdsocket.socket) -> None:
         conn.close()
-        if conn in self.conns:
-            self.conns.remove(conn)
-
-    def close(self) -> None:
-        """Close every connection still open (a plan that failed or was abandoned)."""
-        for conn in list(self.conns):
-            self._close(conn)
 
     def advance(self, plan: Plan[Any]) -> tuple[bool, Any]:
         """Run the plan to its next Emit: (True, the value), or to its end: (False, its result)."""
-        value: Any = None
-        while True:
-            try:
-                step = plan.send(value)
-            except StopIteration as stop:
-                return False, stop.value
-            if isinstance(step, Emit):
-                return True, step.value
-            value = self.step(step)
+        kind, out = _resume(plan, None)
+        while kind == "step":
+            kind, out = _resume(plan, self.step(out))
+        return kind == "emit", out
 
     def run(self, plan: Plan[T]) -> T:
         """Run a plan that emits nothing to its result."""
         try:
-            emitted, value = self.advance(plan)
-            if emitted:
-                raise _unexpected(Emit(value))
-            return value  # type: ignore[no-any-return]
+            return _result(*self.advance(plan))  # type: ignore[no-any-return]
         finally:
-            plan.close()
-            self.close()
+            self._end(plan)
 
     def iterate(self, plan: Plan[None]) -> Iterator[Any]:
         """The values a plan emits, until it ends."""
@@ -174,16 +196,11 @@ class SyncDriver:
                     return
                 yield value
         finally:
-            plan.close()
-            self.close()
+            self._end(plan)
 
 
-class AsyncDriver:
+class AsyncDriver(_Connections[trio.SocketStream]):
     """Carries out steps with trio."""
-
-    def __init__(self, path: Path, how: str) -> None:
-        self.path, self.how = path, how
-        self.conns: list[trio.SocketStream] = []
 
     async def step(self, step: Step) -> Any:
         if isinstance(step, Receive):
@@ -226,38 +243,22 @@ class AsyncDriver:
             return await trio.to_thread.run_sync(step.fn)
         raise _unexpected(step)
 
-    def _close(self, conn: trio.SocketStream) -> None:
+    def _shut(self, conn: trio.SocketStream) -> None:
         conn.socket.close()  # synchronous: safe while a cancellation unwinds
-        if conn in self.conns:
-            self.conns.remove(conn)
-
-    def close(self) -> None:
-        """Close every connection still open (a plan that failed or was abandoned)."""
-        for conn in list(self.conns):
-            self._close(conn)
 
     async def advance(self, plan: Plan[Any]) -> tuple[bool, Any]:
         """Run the plan to its next Emit: (True, the value), or to its end: (False, its result)."""
-        value: Any = None
-        while True:
-            try:
-                step = plan.send(value)
-            except StopIteration as stop:
-                return False, stop.value
-            if isinstance(step, Emit):
-                return True, step.value
-            value = await self.step(step)
+        kind, out = _resume(plan, None)
+        while kind == "step":
+            kind, out = _resume(plan, await self.step(out))
+        return kind == "emit", out
 
     async def run(self, plan: Plan[T]) -> T:
         """Run a plan that emits nothing to its result."""
         try:
-            emitted, value = await self.advance(plan)
-            if emitted:
-                raise _unexpected(Emit(value))
-            return value  # type: ignore[no-any-return]
+            return _result(*await self.advance(plan))  # type: ignore[no-any-return]
         finally:
-            plan.close()
-            self.close()
+            self._end(plan)
 
     async def iterate(self, plan: Plan[None]) -> AsyncIterator[Any]:
         """The values a plan emits, until it ends."""
@@ -268,5 +269,4 @@ class AsyncDriver:
                     return
                 yield value
         finally:
-            plan.close()
-            self.close()
+            self._end(plan)

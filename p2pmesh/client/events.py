@@ -37,6 +37,10 @@ def diff(prev: Status, cur: Status) -> list[Event]:
     if r1 is not None and (r0 is None or r1.epoch != r0.epoch):
         order = " -> ".join(n[:8] for n in r1.order) or "empty"
         ev(EventKind.RING_CHANGED, f"ring epoch {r1.epoch}: {order}", epoch=r1.epoch)
+    q0, q1 = prev.requests, cur.requests
+    if q1 is not None and (q0 is None or (q1.active, q1.queued) != (q0.active, q0.queued)):
+        ev(EventKind.REQUESTS_CHANGED, f"{q1.active} request{'s' if q1.active != 1 else ''} running, {q1.queued} queued, "
+           f"{q1.tokens_per_s:g} tokens/s", node_id=q1.head, epoch=q1.epoch)
     p0, p1 = prev.placement, cur.placement
     if p1 is None:
         return out

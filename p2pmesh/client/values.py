@@ -131,6 +131,20 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class Requests:
+    """The cluster's requests now, as the serving head reports them (at most a few seconds old)."""
+
+    active: int
+    """Requests in the head worker's batch, generating."""
+    queued: int
+    """Requests waiting for a place in the batch."""
+    tokens_per_s: float
+    """Tokens the head produced per second over the last few seconds (every request together)."""
+    head: str
+    epoch: int
+
+
+@dataclass(frozen=True)
 class Status:
     """The agent's view of the cluster, at one moment."""
 
@@ -152,6 +166,9 @@ class Status:
     requests_asked_again: int = 0
     """Times this Mac, as origin, asked a silent head again (frames lost on a dying path)."""
     state_dir: Path | None = None
+    requests: Requests | None = None
+    """Active and queued requests and tokens/s; None when nothing serves or the head has
+    not reported yet."""
 
     @property
     def is_leader(self) -> bool:
@@ -230,6 +247,8 @@ class EventKind(StrEnum):
     """A new placement epoch is committed (pending until its workers are ready)."""
     REBALANCE_PROGRESS = "rebalance_progress"
     """More workers of the pending epoch are ready (`ready` of `stages`)."""
+    REQUESTS_CHANGED = "requests_changed"
+    """The number of requests running or queued at the serving head changed."""
     PLAN_ACTIVATED = "plan_activated"
     """The pending epoch serves now (or the model was cleared)."""
 
@@ -247,6 +266,12 @@ class Event:
     stages: int | None = None
     status: Status | None = field(default=None, repr=False, compare=False)
     """The status in which the change was seen."""
+
+
+def _requests(d: Any) -> Requests | None:
+    if not d:
+        return None
+    return Requests(int(d["active"]), int(d["queued"]), float(d["tokens_per_s"]), str(d["head"]), int(d["epoch"]))
 
 
 def _opt_str(v: Any) -> str | None:
@@ -326,6 +351,7 @@ def parse_status(d: Any) -> Status:
             requests_resumed=int(d.get("requests_resumed") or 0),
             requests_asked_again=int(d.get("requests_asked_again") or 0),
             state_dir=Path(d["state_dir"]) if d.get("state_dir") else None,
+            requests=_requests(d.get("requests")),
         )
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise AgentError(f"the agent's status has a shape this client does not understand ({exc!r}); "

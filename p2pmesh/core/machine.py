@@ -46,9 +46,6 @@ from p2pmesh.core.messages import (
     Header,
     Hello,
     JoinReply,
-    InferCancel,
-    InferRequest,
-    InferTokens,
     JoinRequest,
     MarkDown,
     MarkUp,
@@ -90,6 +87,7 @@ from p2pmesh.core.node_io import (  # the machine's inputs and outputs, importab
     Status,
     TimerFired,
     WorkerCrashed,
+    WorkerLoad,
     WorkerLoaded,
     WorkerOutput,
 )
@@ -99,7 +97,7 @@ from p2pmesh.core.outbox import Outbox
 from p2pmesh.core.peers import PeerBook, rank
 from p2pmesh.core.publishing import LocalFacts, Publisher
 from p2pmesh.core.raft import LEADER, HardState, Raft, RaftOutput
-from p2pmesh.core.serving import Router
+from p2pmesh.core.serving import ROUTED, Router
 from p2pmesh.core.settings import Settings
 from p2pmesh.core import dataplane, leave, validate, wire
 
@@ -277,8 +275,7 @@ class Machine:
             raise LocalProtocolError(f"not an input of the node machine: {type(event).__name__}")
         on_input(event, now_ms)
         self._after(now_ms)
-        router = self.router
-        if router.origins or router.served or router.messages or router.submits or router.client:
+        if self.router.pending():
             self._route(now_ms)  # (else nothing in flight and nothing to collect: a hot path)
         return self._take_ready()
 
@@ -299,7 +296,8 @@ class Machine:
             StageFilesFetched: self._on_fetched,
             WorkerLoaded: self._on_loaded,
             GenerateRequested: lambda event, now_ms: self.router.requested(event.req, event.params, now_ms),
-            GenerateCancelled: lambda event, now_ms: self.router.cancelled(event.req),
+            GenerateCancelled: lambda event, now_ms: self.router.cancelled(event.req, now_ms),
+            WorkerLoad: lambda e, now_ms: self.router.worker_load(e.epoch, e.running, e.queued, e.tokens, now_ms),
             WorkerOutput: self._on_worker_output,
             WorkerCrashed: self._on_worker_crashed,
             LeaveRequested: self._on_leave,
@@ -408,22 +406,17 @@ class Machine:
             self._on_join_reply(msg)
         elif isinstance(msg, RemovalNotice):
             self._on_removal_notice(peer, msg, now_ms)
-        elif isinstance(msg, (InferRequest, InferTokens, InferCancel)):
+        elif isinstance(msg, ROUTED):
             self._on_infer(peer, msg, now_ms)
 
-    def _on_infer(self, peer: NodeId, msg: InferRequest | InferTokens | InferCancel, now_ms: int) -> None:
+    def _on_infer(self, peer: NodeId, msg: Message, now_ms: int) -> None:
         r = self.raft
         # Authenticated peers only reach us at all; also accept a Mac that joined so recently
         # that this node has not applied its membership yet (it knows it from discovery).
         if r is None or not (any(m.node_id == peer for m in r.state.members) or peer in self.peers):
             self.rejected_frames += 1
             return
-        if isinstance(msg, InferRequest):
-            self.router.on_request(peer, msg, r.state)
-        elif isinstance(msg, InferCancel):
-            self.router.on_cancel(peer, msg)
-        else:
-            self.router.on_tokens(msg, now_ms)
+        self.router.on_message(peer, msg, r.state, now_ms)
 
     def _on_raft_message(self, msg: Message, now_ms: int) -> None:
         r = self.raft

@@ -643,6 +643,20 @@ class InferCancel:
     attempt: int
 
 
-Message = RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice | InferRequest | InferTokens | InferCancel
+@register(57)
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """The serving head's batch, sent to every member when it changes (at most twice a
+    second: its worker's heartbeat), so any Mac's status shows the cluster's load."""
+
+    src: NodeId
+    epoch: int
+    running: int
+    queued: int
+    tokens_per_s: float
+
+
+Message = (RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice | InferRequest | InferTokens | InferCancel
+           | LoadReport)
 MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
 """Every type that may arrive as a frame on its own (for isinstance checks)."""

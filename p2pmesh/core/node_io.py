@@ -173,6 +173,17 @@ class WorkerOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """The local head worker of ``epoch`` reported its batch (its heartbeat): requests
+    ``running`` in it, ``queued`` for a place, and ``tokens`` generated since it started."""
+
+    epoch: int
+    running: int
+    queued: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerCrashed:
     """This node's worker for data-plane ``epoch`` exited or stopped answering."""
 
@@ -199,6 +210,7 @@ Input = (
     | GenerateRequested
     | GenerateCancelled
     | WorkerOutput
+    | WorkerLoad
     | WorkerCrashed
 )
 

@@ -34,11 +34,17 @@ comes first (rotation starting at ring position 0, forward before backward, ...)
 stage by stage, to ending the pipeline, then to more layers on the earlier stage, then to
 the nearer next Mac.
 
-Where things are: the values (ModelSpec, NodeSpec, Stage, Plan), the limits and the cost
-context in integer ticks are core/placement_cost.py; the exact search is
-core/placement_search.py. This module is the public face: the planners (with hysteresis),
-the memory-proportional baseline, and the scenario format of `p2pmesh plan solve`; it
-re-exports the values so callers import from one place.
+Tensor parallelism (issue 16): with the model's shape (hidden size, heads, KV heads, MLP
+columns), a group of Macs may run a range of layers together, each Mac a share of every
+layer; "auto" takes the fastest of one Mac, a pipeline, one tensor group and a hybrid (tensor
+groups chained as a pipeline), never slower than the best single Mac or the best pipeline.
+
+Where things are: the values (ModelSpec, NodeSpec, Stage, Group, Share, Plan), the limits and
+the cost context in integer ticks are core/placement_cost.py; the exact pipeline search is
+core/placement_search.py; tensor groups' cost model is core/tensor_cost.py and the search
+for tensor and hybrid plans core/tensor_search.py. This module is the public face: the
+planners (with hysteresis), the memory-proportional baseline, and the scenario format of
+`p2pmesh plan solve`; it re-exports the values so callers import from one place.
 
 Pure: no clock, no I/O, no randomness; only p2pmesh.core imports.
 """
@@ -49,16 +55,19 @@ from collections.abc import Sequence
 
 from p2pmesh.core.placement_cost import (BYTES_MAX, GBPS_MAX, HOP_MS_MAX, LAYERS_MAX, LINKS_MAX, MS_MAX, NETWORK_GBPS,
                                           NODES_MAX, OBJECTIVES, SINGLE_NODE_SLACK, STAGE_OVERHEAD_MS, TICKS_PER_MS,
-                                          CostContext, ModelSpec, NodeSpec, PlacementError, Plan, ScenarioError, Stage,
-                                          cost_context, evaluate, memory_shortfall, stage_indices)
+                                          CostContext, Group, ModelSpec, NodeSpec, ParallelismError, PlacementError,
+                                          Plan, ScenarioError, Share, Stage, cost_context, evaluate, memory_shortfall,
+                                          stage_indices)
 from p2pmesh.core.placement_search import prefix_keys, reconstruct, solve_latency, solve_throughput
 from p2pmesh.core.ring import Link, parse_graph
+from p2pmesh.core.tensor_cost import GroupCost, TensorContext, group_costs, split_cost, tensor_context, tensor_shape
+from p2pmesh.core.tensor_search import Placed, evaluate_groups, single_unit, solve_grouped
 
 __all__ = [
     "BYTES_MAX", "GBPS_MAX", "HOP_MS_MAX", "LAYERS_MAX", "LINKS_MAX", "MS_MAX", "NETWORK_GBPS", "NODES_MAX",
-    "OBJECTIVES", "SINGLE_NODE_SLACK", "STAGE_OVERHEAD_MS", "ModelSpec", "NodeSpec", "PlacementError", "Plan",
-    "ScenarioError", "Stage", "fits_memory", "memory_proportional", "parse_current", "parse_scenario",
-    "predict_tpot", "solve_placement",
+    "OBJECTIVES", "PARALLELISM_CHOICES", "SINGLE_NODE_SLACK", "STAGE_OVERHEAD_MS", "Group", "ModelSpec", "NodeSpec",
+    "ParallelismError", "PlacementError", "Plan", "ScenarioError", "Share", "Stage", "fits_memory",
+    "memory_proportional", "parse_current", "parse_scenario", "predict_plan", "predict_tpot", "solve_placement",
 ]
 
 
@@ -71,6 +80,16 @@ def predict_tpot(model: ModelSpec, nodes: Sequence[NodeSpec], links: Sequence[Li
     """Predicted time per token (ms) of a given plan; the same model for every strategy."""
     ctx = cost_context(model, nodes, links)
     return evaluate(ctx, stage_indices(ctx, stages))[0] / TICKS_PER_MS
+
+
+def predict_plan(model: ModelSpec, nodes: Sequence[NodeSpec], links: Sequence[Link], plan: Plan) -> Plan:
+    """Any plan (pipeline, tensor or hybrid) re-predicted by the one cost model, its tensor
+    groups split afresh; ValueError when it is not a plan of this model that fits these Macs."""
+    ctx = cost_context(model, nodes, links)
+    placed = _placed(ctx, tensor_context(model, nodes, links, ctx.ms), plan)
+    if placed is None:
+        raise ValueError("the plan does not cover this model's layers on these Macs within their memory")
+    return _grouped_plan(ctx, placed)
 
 
 def fits_memory(model: ModelSpec, nodes: Sequence[NodeSpec], stages: Sequence[Stage]) -> bool:
@@ -113,50 +132,135 @@ def solve_placement(
     objective: str = "latency",
     current: Plan | None = None,
     margin: float = 0.15,
+    parallelism: str = "auto",
 ) -> Plan:
     """The best placement (module comment, docs/placement.md), nodes in ring order.
 
+    ``parallelism``: "auto" (default) the best of one Mac, a pipeline, a tensor group and a
+    hybrid (tensor groups need the model's shape: without it, as "pipeline"); "pipeline" only
+    one Mac or a pipeline; "tensor" one group of two or more Macs; "hybrid" two or more groups,
+    one of them tensor-parallel. Ties go to the pipeline (simpler to run).
+
     With ``current``: the current plan is kept (re-predicted) while it is still valid (its
-    Macs present, the model's layers covered, every stage fits) and no slower than the best
-    single Mac, unless the optimum beats it by more than ``margin`` (a fraction of the
-    current objective). Among optimal plans the one moving the fewest layers is chosen.
-    PlacementError when the model fits nowhere."""
+    Macs present, the model's layers covered, every stage fits, of the asked parallelism) and
+    no slower than the best single Mac, unless the optimum beats it by more than ``margin`` (a
+    fraction of the current objective). Among optimal pipelines the one moving the fewest
+    layers is chosen. PlacementError when the model fits nowhere; ParallelismError when the
+    asked parallelism cannot be planned at all."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}")
+    if parallelism not in PARALLELISM_CHOICES:
+        raise ValueError(f"parallelism must be one of {', '.join(PARALLELISM_CHOICES)}")
     if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
         raise ValueError("margin must be a fraction in [0, 1)")
     ctx = cost_context(model, nodes, links)
     if not nodes:
         raise _fits_nowhere(model, nodes)
-    P = prefix_keys(ctx, current)
-    found = solve_latency(ctx, P) if objective == "latency" else solve_throughput(ctx, P)
-    if found is None:
+    tctx = None if parallelism == "pipeline" else tensor_context(model, nodes, links, ctx.ms)
+    if parallelism in ("tensor", "hybrid"):
+        if tctx is None:
+            raise ParallelismError("model_shape_unknown", f"a {parallelism} plan needs the model's hidden_size, "
+                                   "num_attention_heads, num_key_value_heads and intermediate_size")
+        least = 2 if parallelism == "tensor" else 3  # a hybrid: a tensor group and one more group
+        if len(nodes) < least:
+            raise ParallelismError("too_few_macs", f"a {parallelism} plan needs at least {least} Macs, not {len(nodes)}")
+    best: Plan | None = None
+    if parallelism in ("auto", "pipeline"):
+        P = prefix_keys(ctx, current)
+        found = solve_latency(ctx, P) if objective == "latency" else solve_throughput(ctx, P)
+        if found is not None:
+            seq, Gs, bound = found
+            best = _plan(ctx, reconstruct(ctx, seq, Gs, P, bound))
+    if tctx is not None and len(nodes) > 1:
+        beat = None if best is None or objective != "latency" else round(best.tpot_ms * TICKS_PER_MS)
+        placed = solve_grouped(ctx, tctx, parallelism if parallelism != "pipeline" else "auto", beat=beat)
+        if placed is not None:
+            grouped = _grouped_plan(ctx, placed)
+            if best is None or _objective(grouped, objective) < _objective(best, objective):
+                best = grouped
+    if best is None:
+        if parallelism in ("tensor", "hybrid"):
+            raise PlacementError(f"no {parallelism} plan fits: " + str(_fits_nowhere(model, nodes)))
         raise _fits_nowhere(model, nodes)
-    seq, Gs, bound = found
-    st = reconstruct(ctx, seq, Gs, P, bound)
     if current is not None:
-        kept = _keep(ctx, model, nodes, current, objective, margin, evaluate(ctx, st))
+        kept = _keep(ctx, tctx, model, nodes, current, objective, margin, best, parallelism)
         if kept is not None:
-            st = kept
-    return _plan(ctx, st)
+            return kept
+    return best
 
 
-def _keep(ctx: CostContext, model: ModelSpec, nodes: Sequence[NodeSpec], current: Plan, objective: str, margin: float,
-          new: tuple[int, int]) -> list[tuple[int, int, int]] | None:
-    """The current plan's stages when hysteresis keeps it, else None."""
-    try:
-        st = stage_indices(ctx, current.stages)
-    except ValueError:
-        return None  # a Mac is gone, or the model changed: a new plan is required
-    if memory_shortfall(ctx, model, nodes, st) is not None:
-        return None  # no longer fits (more context, less free memory)
-    which = 0 if objective == "latency" else 1
-    cur_obj, new_obj = evaluate(ctx, st)[which], new[which]
+PARALLELISM_CHOICES = ("auto", "pipeline", "tensor", "hybrid")
+
+
+def _objective(plan: Plan, objective: str) -> tuple[float, float]:
+    return (plan.tpot_ms, 0.0) if objective == "latency" else (plan.bottleneck_ms, plan.tpot_ms)
+
+
+def _grouped_plan(ctx: CostContext, placed: list[Placed]) -> Plan:
+    tpot, slowest = evaluate_groups(ctx, placed)
+    stages = tuple(Stage(ctx.ids[u.ranks[0]], a, b) for u, a, b in placed)
+    groups = tuple(Group(tuple(ctx.ids[r] for r in u.ranks), a, b, u.shares) for u, a, b in placed)
+    if all(len(g.node_ids) == 1 for g in groups):
+        groups = ()  # a plain pipeline: the stages say it all
+    return Plan(stages, tpot / TICKS_PER_MS, slowest / TICKS_PER_MS, groups)
+
+
+def _placed(ctx: CostContext, tctx: TensorContext | None, plan: Plan) -> list[Placed] | None:
+    """A plan's groups with fresh splits and costs, or None when it no longer fits these Macs
+    and this model (a Mac gone, other layers, a group that does not fit its memory)."""
+    index = {n: i for i, n in enumerate(ctx.ids)}
+    out: list[Placed] = []
+    at = 0
+    groups = plan.layout
+    seen: set[int] = set()
+    for pos, g in enumerate(groups):
+        ranks = tuple(index.get(n, -1) for n in g.node_ids)
+        if -1 in ranks or seen & set(ranks) or len(set(ranks)) != len(ranks) or g.start != at or g.end <= g.start:
+            return None
+        seen |= set(ranks)
+        if len(ranks) == 1:
+            units = [single_unit(ctx, ranks[0])]
+        elif tctx is None:
+            return None
+        else:
+            units = _given_split(tctx, ranks, g) or group_costs(tctx, ranks)
+        first, last = pos == 0, pos == len(groups) - 1
+        fits = [u for u in units if g.end - g.start <= (u.cap_both if first and last else u.cap_first if first
+                                                         else u.cap_last if last else u.cap_mid)]
+        if not fits:
+            return None
+        out.append((fits[0], g.start, g.end))
+        at = g.end
+    return out if out and at == ctx.layers else None
+
+
+def _given_split(tctx: TensorContext, ranks: tuple[int, ...], g: Group) -> list[GroupCost]:
+    """The group's own shares, costed, when it has shares of this model; else []."""
+    sh = tctx.shape
+    if len(g.shares) != len(ranks):
+        return []
+    kv = [s.kv_heads for s in g.shares]
+    if (sum(kv) != sh.kv_heads or any(s.heads != s.kv_heads * sh.heads_per_kv or s.columns % sh.block for s in g.shares)
+            or sum(s.columns for s in g.shares) != sh.blocks * sh.block or min(kv + [s.columns for s in g.shares]) < 0):
+        return []
+    return [split_cost(tctx, ranks, kv, [s.columns // sh.block for s in g.shares])]
+
+
+def _keep(ctx: CostContext, tctx: TensorContext | None, model: ModelSpec, nodes: Sequence[NodeSpec], current: Plan,
+          objective: str, margin: float, new: Plan, parallelism: str) -> Plan | None:
+    """The current plan, re-predicted, when hysteresis keeps it, else None."""
+    if parallelism != "auto" and current.parallelism not in ({"single", "pipeline"} if parallelism == "pipeline" else {parallelism}):
+        return None  # not what was asked for
+    placed = _placed(ctx, tctx, current)
+    if placed is None:
+        return None  # a Mac is gone, the model changed, or it no longer fits (more context, less memory)
+    kept = _grouped_plan(ctx, placed)
+    cur_obj, new_obj = _objective(kept, objective)[0], _objective(new, objective)[0]
     L = ctx.layers
     singles = [L * ctx.ms[j] + ctx.overhead for j in range(len(ctx.ids)) if ctx.cap_both[j] >= L]
-    if singles and cur_obj > (1 + min(margin, SINGLE_NODE_SLACK)) * min(singles):
+    if singles and cur_obj > (1 + min(margin, SINGLE_NODE_SLACK)) * min(singles) / TICKS_PER_MS:
         return None  # the single-Mac guarantee outranks stability beyond measurement noise
-    return None if new_obj < (1 - margin) * cur_obj else st
+    return None if new_obj < (1 - margin) * cur_obj else kept
 
 
 def memory_proportional(model: ModelSpec, nodes: Sequence[NodeSpec], links: Sequence[Link], *, check_memory: bool = True) -> Plan:
@@ -226,6 +330,22 @@ def _num_field(obj: dict[str, object], key: str, where: str, lo_excl: float, hi:
     return float(raw)
 
 
+SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def _shape_fields(m: dict[str, object]) -> dict[str, int]:
+    """The model's optional shape for tensor plans: all four fields or none."""
+    given = [k for k in SHAPE_FIELDS if m.get(k) is not None]
+    if not given:
+        return {}
+    if len(given) < len(SHAPE_FIELDS):
+        missing = ", ".join(f"model.{k}" for k in SHAPE_FIELDS if k not in given)
+        raise ScenarioError(f"{missing} missing: a tensor plan needs all of {', '.join(SHAPE_FIELDS)} (or none of them)")
+    out = {k: _int_field(m, k, "model", 1, 1 << 24) for k in SHAPE_FIELDS}
+    tensor_shape(ModelSpec(1, 1, 0, 0, 0, 0, **out))  # ScenarioError: heads that do not divide
+    return out
+
+
 def parse_scenario(data: object) -> tuple[ModelSpec, list[NodeSpec], list[Link]]:
     """Validate a `plan solve` scenario; ScenarioError (or the ring's RingError, both
     ValueError) names the bad field."""
@@ -241,6 +361,7 @@ def parse_scenario(data: object) -> tuple[ModelSpec, list[NodeSpec], list[Link]]
         context_tokens=_int_field(m, "context_tokens", "model", 0, 1 << 30),
         activation_bytes=_int_field(m, "activation_bytes", "model", 0, BYTES_MAX, default=0),
         embed_bytes=_int_field(m, "embed_bytes", "model", 0, BYTES_MAX, default=0),
+        **_shape_fields(m),
     )
     raw_nodes = data.get("nodes")
     if not isinstance(raw_nodes, list) or not 1 <= len(raw_nodes) <= NODES_MAX:
@@ -289,6 +410,8 @@ def parse_current(data: object, *, default_margin: float = 0.15) -> tuple[Plan |
     raw = data.get("current")
     if raw is None:
         return None, float(margin)
+    if isinstance(raw, dict) and raw.get("groups") is not None:
+        return _parse_groups(raw["groups"]), float(margin)
     if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list) or not 1 <= len(raw["stages"]) <= NODES_MAX:
         raise ScenarioError(f'"current" must be an object with "stages": a list of 1 to {NODES_MAX} stages')
     stages = []
@@ -296,15 +419,41 @@ def parse_current(data: object, *, default_margin: float = 0.15) -> tuple[Plan |
         where = f"current.stages[{i}]"
         if not isinstance(s, dict) or not isinstance(s.get("node_id"), str):
             raise ScenarioError(f'{where} must be an object with a string "node_id"')
-        span = s.get("layers")
-        if (not isinstance(span, list) or len(span) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= LAYERS_MAX for v in span)
-                or span[0] >= span[1]):
-            raise ScenarioError(f'{where}.layers must be [start, end) with 0 <= start < end <= {LAYERS_MAX}')
-        if span[0] != (stages[-1].end if stages else 0):
-            raise ScenarioError(f"{where}.layers must start where the previous stage ends (the first at 0)")
+        span = _span(s, where, stages[-1].end if stages else 0)
         if any(p.node_id == s["node_id"] for p in stages):
             raise ScenarioError(f"{where}: {s['node_id']!r} has two stages")
         stages.append(Stage(s["node_id"], span[0], span[1]))
     # A Mac of the current plan missing from "nodes" is fine: it is gone, and the plan is replaced.
     return Plan(tuple(stages), 0.0), float(margin)
+
+
+def _span(obj: dict[str, object], where: str, at: int) -> tuple[int, int]:
+    span = obj.get("layers")
+    if (not isinstance(span, list) or len(span) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= LAYERS_MAX for v in span)
+            or span[0] >= span[1]):
+        raise ScenarioError(f'{where}.layers must be [start, end) with 0 <= start < end <= {LAYERS_MAX}')
+    if span[0] != at:
+        raise ScenarioError(f"{where}.layers must start where the previous {where.split('[')[0].split('.')[-1][:-1]} ends (the first at 0)")
+    return span[0], span[1]
+
+
+def _parse_groups(raw: object) -> Plan:
+    """A current plan given by its "groups" (as `plan solve --json` prints them; "shares" are
+    not read: a kept group is split afresh)."""
+    if not isinstance(raw, list) or not 1 <= len(raw) <= NODES_MAX:
+        raise ScenarioError(f'"current.groups" must be a list of 1 to {NODES_MAX} groups')
+    groups: list[Group] = []
+    seen: set[str] = set()
+    for i, g in enumerate(raw):
+        where = f"current.groups[{i}]"
+        ids = g.get("node_ids") if isinstance(g, dict) else None
+        if not isinstance(ids, list) or not 1 <= len(ids) <= NODES_MAX or not all(isinstance(n, str) for n in ids):
+            raise ScenarioError(f'{where} must be an object with "node_ids": a list of 1 to {NODES_MAX} strings')
+        if seen & set(ids) or len(set(ids)) != len(ids):
+            raise ScenarioError(f"{where}: a Mac is in two groups")
+        seen |= set(ids)
+        a, b = _span(g, where, groups[-1].end if groups else 0)
+        groups.append(Group(tuple(ids), a, b))
+    stages = tuple(Stage(g.node_ids[0], g.start, g.end) for g in groups)
+    return Plan(stages, 0.0, 0.0, tuple(groups) if any(len(g.node_ids) > 1 for g in groups) else ())

@@ -49,6 +49,16 @@ class ScenarioError(ValueError):
     names the field."""
 
 
+class ParallelismError(ValueError):
+    """The parallelism asked for cannot be planned from these inputs (the caller's choice, not
+    the cluster's memory): ``code`` is "model_shape_unknown" (a tensor plan needs the model's
+    hidden_size, heads, KV heads and intermediate_size) or "too_few_macs"."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     layers: int
@@ -57,6 +67,17 @@ class ModelSpec:
     context_tokens: int
     activation_bytes: int
     embed_bytes: int = 0
+    # The shape tensor parallelism splits (config.json); 0 = unknown: then only one Mac or a
+    # pipeline can be planned (core/tensor_cost.py).
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    intermediate_size: int = 0
+
+    @property
+    def has_shape(self) -> bool:
+        """Whether the model says enough of its shape for a tensor-parallel plan."""
+        return min(self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.intermediate_size) > 0
 
     @property
     def bytes_per_layer(self) -> int:
@@ -88,16 +109,71 @@ class Stage:
 
 
 @dataclass(frozen=True, slots=True)
+class Share:
+    """One rank's part of every layer of a tensor group: query heads, KV heads (the query
+    heads are those of its KV heads) and MLP columns (intermediate_size)."""
+    heads: int
+    kv_heads: int
+    columns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Macs that run the layers [start, end) tensor-parallel, in their all-reduce ring order
+    (the first receives the pipeline hop, the last sends it on). One Mac: a pipeline stage,
+    with no shares."""
+    node_ids: tuple[str, ...]
+    start: int
+    end: int
+    shares: tuple[Share, ...] = ()
+
+    @property
+    def layers(self) -> int:
+        return self.end - self.start
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {"node_ids": list(self.node_ids), "layers": [self.start, self.end]}
+        if len(self.node_ids) > 1:
+            out["shares"] = [{"node_id": n, "heads": s.heads, "kv_heads": s.kv_heads, "columns": s.columns}
+                             for n, s in zip(self.node_ids, self.shares)]
+        return out
+
+
+PARALLELISMS = ("single", "pipeline", "tensor", "hybrid")
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
+    """A placement. ``stages`` is the pipeline (one per group; a tensor group's stage names its
+    first rank, which takes the hop in); ``groups`` is empty for a plain pipeline (each stage
+    is a group of one)."""
     stages: tuple[Stage, ...]
     tpot_ms: float
     bottleneck_ms: float = 0.0  # the slowest stage with its outgoing hop (throughput bound)
+    groups: tuple[Group, ...] = ()
+
+    @property
+    def layout(self) -> tuple[Group, ...]:
+        """The groups, a plain pipeline's stages as groups of one."""
+        return self.groups or tuple(Group((s.node_id,), s.start, s.end) for s in self.stages)
+
+    @property
+    def parallelism(self) -> str:
+        """"single" (one Mac), "pipeline" (Macs in a row), "tensor" (one group of Macs) or
+        "hybrid" (tensor groups in a row)."""
+        groups = self.layout
+        wide = any(len(g.node_ids) > 1 for g in groups)
+        if len(groups) == 1:
+            return "tensor" if wide else "single"
+        return "hybrid" if wide else "pipeline"
 
     def to_json(self) -> dict[str, object]:
         return {
             "stages": [{"node_id": s.node_id, "layers": [s.start, s.end]} for s in self.stages],
             "tpot_ms": round(self.tpot_ms, 6),
             "bottleneck_ms": round(self.bottleneck_ms, 6),
+            "parallelism": self.parallelism,
+            "groups": [g.to_json() for g in self.layout],
         }
 
 
@@ -127,7 +203,8 @@ def _check_model(model: ModelSpec) -> None:
         raise ValueError(f"model.layers must be 1..{LAYERS_MAX}, not {model.layers}")
     if model.layer_bytes < 1:
         raise ValueError("model.layer_bytes must be positive")
-    for name in ("kv_bytes_per_token_per_layer", "context_tokens", "activation_bytes", "embed_bytes"):
+    for name in ("kv_bytes_per_token_per_layer", "context_tokens", "activation_bytes", "embed_bytes", "hidden_size",
+                 "num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if getattr(model, name) < 0:
             raise ValueError(f"model.{name} must not be negative")
 

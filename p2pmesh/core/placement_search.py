@@ -19,8 +19,8 @@ from itertools import accumulate, repeat
 
 from p2pmesh.core.placement_cost import MOVE_SCALE, CostContext, Plan
 
-_INF = 1 << 120
-_HALF_INF = _INF >> 1
+INF = 1 << 120
+HALF_INF = INF >> 1
 _SMALL_WINDOW = 8  # windows up to this size: log2(c) doubling passes beat van Herk/Gil-Werman
 
 
@@ -48,7 +48,7 @@ def prefix_keys(ctx: CostContext, current: Plan | None) -> list[list[int]]:
     return out
 
 
-def _orders(n: int) -> list[tuple[int, ...]]:
+def ring_orders(n: int) -> list[tuple[int, ...]]:
     """Every rotation of the ring in both directions (first Mac = rotation start), in the
     tie-break order: start at position 0, forward then backward, then position 1, ..."""
     seen: set[tuple[int, ...]] = set()
@@ -62,45 +62,45 @@ def _orders(n: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _emin(X: list[int], Y: list[int]) -> list[int]:
+def emin(X: list[int], Y: list[int]) -> list[int]:
     """Elementwise minimum (a comprehension: about 3x faster than map(min, ...))."""
     return [x if x < y else y for x, y in zip(X, Y)]  # noqa: FURB136 (min() is the slow path)
 
 
-def _window_min(A: list[int], c: int, L: int) -> list[int]:
+def window_min(A: list[int], c: int, L: int) -> list[int]:
     """W[l] = min(A[l+1 .. l+c]) for l in 0..L-1 (A has L+1 entries), W[L] = inf, in O(L)
     whatever c: a suffix minimum when the window reaches the end, doubling for small
     windows, otherwise van Herk/Gil-Werman (prefix and suffix minima within blocks of c)."""
     B = A[1:]
     if c >= L:
         W = []
-        cur = _INF
+        cur = INF
         for x in reversed(B):
             if x < cur:  # noqa: PLR1730 (a comparison, not a call: this is the hot loop)
                 cur = x
             W.append(cur)
         W.reverse()
     elif c <= _SMALL_WINDOW:
-        B.extend(repeat(_INF, c))
+        B.extend(repeat(INF, c))
         s = 1
         while 2 * s <= c:  # bounded: log2(c) passes, each widening the window to 2s
-            B = _emin(B, B[s:])
+            B = emin(B, B[s:])
             s *= 2
         if s < c:
-            B = _emin(B, B[c - s :])
+            B = emin(B, B[c - s :])
         W = B[:L]
     else:
         size = -(-(L + c - 1) // c) * c
-        B.extend(repeat(_INF, size - L))
+        B.extend(repeat(INF, size - L))
         pre: list[int] = []
         suf: list[int] = []
         for b in range(0, size, c):  # bounded: size / c blocks of c
-            cur = _INF
+            cur = INF
             for x in B[b : b + c]:
                 if x < cur:  # noqa: PLR1730 (as above)
                     cur = x
                 pre.append(cur)
-            cur = _INF
+            cur = INF
             back = []
             for x in reversed(B[b : b + c]):
                 if x < cur:  # noqa: PLR1730 (as above)
@@ -108,8 +108,8 @@ def _window_min(A: list[int], c: int, L: int) -> list[int]:
                 back.append(cur)
             back.reverse()
             suf.extend(back)
-        W = _emin(suf[:L], pre[c - 1 : c - 1 + L])
-    W.append(_INF)
+        W = emin(suf[:L], pre[c - 1 : c - 1 + L])
+    W.append(INF)
     return W
 
 
@@ -121,7 +121,7 @@ def _limit(budget: int, ms: int, cap: int) -> int:
 def _order_dp(ctx: CostContext, seq: tuple[int, ...], P: list[list[int]], bound: int | None) -> list[list[int] | None] | None:
     """The exact DP for one order. Gs[idx][l] = the least key of covering layers [l, L) with
     a stage of seq[idx] starting at l, its own overhead excluded (the predecessor adds it with
-    the hop), or about _INF. Gs[0] = [key at l = 0]. None when this order has no plan.
+    the hop), or about INF. Gs[0] = [key at l = 0]. None when this order has no plan.
     bound (throughput): every stage, with its outgoing hop, must take at most bound ticks."""
     n, L, S, C = len(seq), ctx.layers, MOVE_SCALE, ctx.overhead
     p0 = seq[0]
@@ -137,15 +137,15 @@ def _order_dp(ctx: CostContext, seq: tuple[int, ...], P: list[list[int]], bound:
         if ce >= 1:  # j ends the pipeline: the rest of the layers, then the token goes back
             a = max(1, L - ce)
             end = Pj[L] + hop_end * S
-            G[a:L] = _emin(G[a:L], [end - p for p in Pj[a:L]])
-        G[0] = G[L] = _INF
-        if min(G) < _HALF_INF:
+            G[a:L] = emin(G[a:L], [end - p for p in Pj[a:L]])
+        G[0] = G[L] = INF
+        if min(G) < HALF_INF:
             Gs[idx] = G
-            M = G if M is None else _emin(M, G)
+            M = G if M is None else emin(M, G)
     j = p0
     Pj = P[j]
     ms = ctx.ms[j]
-    best = _INF
+    best = INF
     ce = ctx.cap_both[j] if bound is None else _limit(bound - C, ms, ctx.cap_both[j])
     if L <= ce:
         best = Pj[L] - Pj[0]
@@ -156,7 +156,7 @@ def _order_dp(ctx: CostContext, seq: tuple[int, ...], P: list[list[int]], bound:
         top = min(c, L - 1)
         if top >= 1:
             best = min(best, min([p + g for p, g in zip(Pj[1 : top + 1], G2[1 : top + 1])]) + (hop + C) * S - Pj[0])
-    if best >= _HALF_INF:
+    if best >= HALF_INF:
         return None
     Gs[0] = [best]
     return Gs
@@ -195,10 +195,10 @@ def _continue(ctx: CostContext, seq: tuple[int, ...], idx: int, Gs: list[list[in
     for c, shifted in groups.items():
         H = shifted[0]
         for other in shifted[1:]:
-            H = _emin(H, other)
-        W = _window_min([p + h for p, h in zip(Pj, H)], c, L)
-        G = W if G is None else _emin(G, W)
-    return [_INF] * (L + 1) if G is None else [g - p for g, p in zip(G, Pj)]
+            H = emin(H, other)
+        W = window_min([p + h for p, h in zip(Pj, H)], c, L)
+        G = W if G is None else emin(G, W)
+    return [INF] * (L + 1) if G is None else [g - p for g, p in zip(G, Pj)]
 
 
 def reconstruct(ctx: CostContext, seq: tuple[int, ...], Gs: list[list[int] | None], P: list[list[int]], bound: int | None) -> list[tuple[int, int, int]]:
@@ -288,7 +288,7 @@ Found = tuple[tuple[int, ...], list[list[int] | None], int | None]
 
 
 def solve_latency(ctx: CostContext, P: list[list[int]]) -> Found | None:
-    orders = _orders(len(ctx.ids))
+    orders = ring_orders(len(ctx.ids))
     lbs = _lower_bounds(ctx)
     S, C = MOVE_SCALE, ctx.overhead
     ranked = sorted((lbs[seq[0]], o) for o, seq in enumerate(orders) if lbs[seq[0]] is not None)
@@ -355,7 +355,7 @@ def _feasible(ctx: CostContext, seq: tuple[int, ...], bound: int) -> bool:
 def solve_throughput(ctx: CostContext, P: list[list[int]]) -> Found | None:
     """The least bottleneck (binary search per order, skipping orders that cannot beat the
     best so far), then the least (tpot, moves) among the plans that reach it."""
-    orders = _orders(len(ctx.ids))
+    orders = ring_orders(len(ctx.ids))
     n, L, C, S = len(ctx.ids), ctx.layers, ctx.overhead, MOVE_SCALE
     lo = C + min(ctx.ms) - 1  # no stage is faster than one layer on the fastest Mac
     hops = [ctx.fwd[i][j] for i in range(n) for j in range(n)] + [ctx.ret[i][j] for i in range(n) for j in range(n)]

@@ -49,7 +49,7 @@ CONTEXT_TOKENS_MAX = 1 << 22
 """The model op's context_tokens is in [1, CONTEXT_TOKENS_MAX]."""
 CONTEXT_TOKENS_DEFAULT = 4096
 BATCH_REQUESTS_DEFAULT = 8
-"""Requests a head worker serves at once (continuous batching, worker/scheduler.py)."""
+"""Requests a head worker serves at once (continuous batching, core/batching.py)."""
 BATCH_REQUESTS_MAX = 256
 QUEUE_REQUESTS_DEFAULT = 64
 """Requests a head worker holds waiting for a batch slot; beyond them it answers busy."""

@@ -49,6 +49,7 @@ class Link:
     kind: str
     gbps: float
     rtt_ms: float | None = None
+    rdma: bool = False  # RDMA over Thunderbolt 5 works on this cable (placement: tensor groups' all-reduces)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +134,10 @@ def parse_graph(data: object) -> tuple[list[str], list[Link]]:
             raise RingError(f"link {i} needs a positive, finite \"gbps\"")
         if rtt is not None and (isinstance(rtt, bool) or not isinstance(rtt, (int, float)) or not 0 <= rtt < float("inf")):
             raise RingError(f"link {i} has a bad \"rtt_ms\"")
-        out.append(Link(a, b, kind, float(gbps), None if rtt is None else float(rtt)))
+        rdma = raw.get("rdma", False)
+        if not isinstance(rdma, bool):
+            raise RingError(f"link {i} has a bad \"rdma\" (true or false)")
+        out.append(Link(a, b, kind, float(gbps), None if rtt is None else float(rtt), rdma))
     return list(nodes), out
 
 

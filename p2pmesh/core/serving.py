@@ -29,10 +29,11 @@ after silence is not progress).
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.messages import ClusterState, InferCancel, InferRequest, InferTokens, Message
+from p2pmesh.core.messages import ClusterState, InferCancel, InferRequest, InferTokens, LoadReport, Message
 from p2pmesh.core.protocol import ErrorCode
 
 LOOPBACK_ROUNDS = 8
@@ -45,6 +46,14 @@ SILENT_MS = 3 * BEACON_MS
 """Three beacon periods: one lost beacon never makes an origin ask again."""
 STALE = "stale epoch"
 """The text of a STALE_EPOCH answer (the origin decides on the code)."""
+RATE_WINDOW_MS = 5_000
+"""The head's tokens/s is over about the last 5 s of its worker's counter."""
+LOAD_STALE_MS = 3 * BEACON_MS
+"""A load report older than this says nothing (the worker reports every 0.5 s while it
+changes; the head resends it at least this often while it serves)."""
+RATE_SAMPLES_MAX = 64
+ROUTED = (InferRequest, InferTokens, InferCancel, LoadReport)
+"""The messages between agents that the router handles (not in the log)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +157,21 @@ class Router:
         newer one, or after a lost frame), for status and benchmarks."""
         self.asked_again = 0
         """Times an origin asked again with the same attempt after hearing nothing."""
+        self.load: LoadReport | None = None
+        """The serving head's latest batch report (this node's own when it is the head)."""
+        self.load_ms = 0
+        """When ``load`` was made or heard."""
+        self._samples: deque[tuple[int, int]] = deque(maxlen=RATE_SAMPLES_MAX)
+        """(ms, tokens generated) from the local head worker, for its rate."""
+        self._report_due = False
+        """The head has a load report its members have not been sent."""
+        self.hung_up: dict[str, tuple[InferCancel, int]] = {}
+        """Requests whose client hung up, until their head says they ended (or STALL_MS):
+        the cancel sent, and when (at most REQUESTS_MAX, the oldest dropped first)."""
+
+    def pending(self) -> bool:
+        """Anything in flight or to collect (else the machine skips routing: a hot path)."""
+        return bool(self.origins or self.served or self.messages or self.submits or self.client or self._report_due)
 
     # ------------------------------------------------------------------------------
     # Facts
@@ -164,14 +188,30 @@ class Router:
             return
         self.origins[req] = _Origin(params, now_ms, now_ms)
 
-    def cancelled(self, req: str) -> None:
+    def cancelled(self, req: str, now_ms: int) -> None:
         """A local client hung up before its request's end: forget the request here, and
         tell the head running it, which frees its worker's slot. Nothing more reaches the
         client (it is gone); a reply still in flight is dropped as one for a request we gave up."""
         o = self.origins.pop(req, None)
         if o is not None and o.sent_to is not None:
             head, epoch = o.sent_to
-            self.messages.append((head, InferCancel(self.me, req, epoch, o.attempt)))
+            cancel = InferCancel(self.me, req, epoch, o.attempt)
+            self.messages.append((head, cancel))
+            # Frames can be lost: until the head says the request ended, each of its replies
+            # (a beacon at least every BEACON_MS) is answered with the cancel again.
+            if len(self.hung_up) >= REQUESTS_MAX:
+                del self.hung_up[next(iter(self.hung_up))]  # the oldest
+            self.hung_up[req] = (cancel, now_ms)
+
+    def _cancel_again(self, msg: InferTokens, now_ms: int) -> None:
+        """A reply about a request whose client hung up: the head still runs it (our cancel
+        was lost), so cancel again, at most once per BEACON_MS; its end forgets it."""
+        cancel, sent_ms = self.hung_up[msg.req]
+        if msg.done:
+            del self.hung_up[msg.req]
+        elif (msg.epoch, msg.attempt) == (cancel.epoch, cancel.attempt) and now_ms - sent_ms >= BEACON_MS:
+            self.hung_up[msg.req] = (cancel, now_ms)
+            self.messages.append((msg.src, cancel))
 
     def on_cancel(self, src: NodeId, msg: InferCancel) -> None:
         """An origin's client hung up: stop the request if it is the attempt this head runs
@@ -182,6 +222,42 @@ class Router:
         del self.served[msg.req]
         if s.submitted:
             self.submits.append(WorkerCancel(s.epoch, msg.req, msg.attempt))
+
+    def worker_load(self, epoch: int, running: int, queued: int, tokens: int, now_ms: int) -> None:
+        """The local head worker's batch: the load this head reports to every member, with
+        its tokens/s over the last RATE_WINDOW_MS of its counter."""
+        samples = self._samples
+        if samples and tokens < samples[-1][1]:
+            samples.clear()  # a new worker (a new epoch): its counter starts again
+        samples.append((now_ms, tokens))
+        while len(samples) > 2 and now_ms - samples[1][0] >= RATE_WINDOW_MS:
+            samples.popleft()  # keep one sample at or before the window's start
+        first_ms, first = samples[0]
+        rate = (tokens - first) * 1000 / (now_ms - first_ms) if now_ms > first_ms else 0.0
+        self.load, self.load_ms = LoadReport(self.me, epoch, running, queued, round(rate, 1)), now_ms
+        self._report_due = True
+
+    def on_load(self, src: NodeId, msg: LoadReport, now_ms: int) -> None:
+        if msg.src == src:
+            self.load, self.load_ms = msg, now_ms
+
+    def load_now(self, epoch: int, now_ms: int) -> LoadReport | None:
+        """The serving epoch's load, if a fresh report says it."""
+        load = self.load
+        if load is None or load.epoch != epoch or now_ms - self.load_ms > LOAD_STALE_MS:
+            return None
+        return load
+
+    def on_message(self, src: NodeId, msg: Message, state: ClusterState | None, now_ms: int) -> None:
+        """One of the ROUTED messages from a member (or from this node to itself)."""
+        if isinstance(msg, InferRequest):
+            self.on_request(src, msg, state)
+        elif isinstance(msg, InferTokens):
+            self.on_tokens(msg, now_ms)
+        elif isinstance(msg, InferCancel):
+            self.on_cancel(src, msg)
+        elif isinstance(msg, LoadReport):
+            self.on_load(src, msg, now_ms)
 
     def on_request(self, src: NodeId, msg: InferRequest, state: ClusterState | None) -> None:
         """An origin asks this node, as head, to run a request."""
@@ -195,11 +271,18 @@ class Router:
         if old is not None and old.request == msg:
             old.told_ms = None  # the origin asks again after silence: tell it we run it
             return
+        if old is not None and old.submitted:
+            # A new attempt replaces one our worker runs (the origin lost a frame of it): free
+            # the old one's slot rather than let it run to its end unheard.
+            self.submits.append(WorkerCancel(old.epoch, msg.req, old.request.attempt))
         self.served[msg.req] = _Served(src, msg.epoch, msg)
 
     def on_tokens(self, msg: InferTokens, now_ms: int) -> None:
         """Tokens streamed back from a head for a request this node originated."""
         o = self.origins.get(msg.req)
+        if o is None and msg.req in self.hung_up:
+            self._cancel_again(msg, now_ms)
+            return
         if o is None or o.sent_to is None or o.sent_to[1] != msg.epoch or o.sent_to[0] != msg.src:
             return  # a request we gave up, or a late reply from an epoch we moved away from
         if msg.attempt != o.attempt:
@@ -269,6 +352,14 @@ class Router:
 
     def tick(self, state: ClusterState | None, head: NodeId | None, epoch: int, now_ms: int) -> None:
         self._serve(head, epoch, now_ms)
+        for req, (_, sent_ms) in list(self.hung_up.items()):
+            if now_ms - sent_ms >= STALL_MS:
+                del self.hung_up[req]  # the head never answered: it forgot the request too
+        if self._report_due:
+            self._report_due = False
+            load = self.load
+            if load is not None and head == self.me and load.epoch == epoch and state is not None:
+                self.messages.extend((m.node_id, load) for m in state.members if m.node_id != self.me)
         for req, o in list(self.origins.items()):
             if now_ms - o.progress_ms >= STALL_MS:
                 del self.origins[req]
@@ -350,12 +441,7 @@ class Router:
             if not local:
                 break
             for m in local:
-                if isinstance(m, InferRequest):
-                    self.on_request(self.me, m, state)
-                elif isinstance(m, InferTokens):
-                    self.on_tokens(m, now_ms)
-                elif isinstance(m, InferCancel):
-                    self.on_cancel(self.me, m)
+                self.on_message(self.me, m, state, now_ms)
             self.tick(state, head, epoch, now_ms)
         return messages, submits, client
 

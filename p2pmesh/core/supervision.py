@@ -25,7 +25,7 @@ from typing import Any
 from p2pmesh.core import dataplane
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import ClusterState, RingHop, WorkerFault
-from p2pmesh.core.node_io import WorkerCrashed, WorkerLoaded, WorkerOutput
+from p2pmesh.core.node_io import WorkerCrashed, WorkerLoad, WorkerLoaded, WorkerOutput
 from p2pmesh.core.protocol import WORKER_BUSY, WORKER_REQUEST_INVALID, ErrorCode
 from p2pmesh.core.validate import FAULT_MESSAGE_MAX
 
@@ -58,6 +58,11 @@ def group_hops(state: ClusterState, epoch: int) -> tuple[RingHop, ...]:
     return state.placement_hops if epoch == state.placement_epoch else state.active_hops
 
 
+LOAD_REPEAT_S = 1.0
+"""An unchanged batch is told to the core again after this long (the head's report to the
+members must stay fresher than serving.LOAD_STALE_MS)."""
+
+
 @dataclass(slots=True)
 class WatchedWorker:
     """What the supervisor knows of one running worker; its events update it."""
@@ -75,6 +80,9 @@ class WatchedWorker:
     """When it last produced output for a request (or was given one while idle)."""
     fault: WorkerFault | None = None
     """Why it could not form its group, when it said so before exiting."""
+    load: WorkerLoad | None = None
+    """Its batch as last told to the core (a head's heartbeat), and when."""
+    load_at: float = 0.0
 
     def hung(self, now: float) -> bool:
         return now - self.last_heartbeat > HEARTBEAT_TIMEOUT_S or (
@@ -158,7 +166,8 @@ class WorkerBook:
         w.pending.add(ident)
         return w
 
-    def heard(self, w: WatchedWorker, event: Mapping[str, Any], now: float) -> WorkerLoaded | WorkerOutput | None:
+    def heard(self, w: WatchedWorker, event: Mapping[str, Any],
+              now: float) -> WorkerLoaded | WorkerOutput | WorkerLoad | None:
         """A worker's event (worker/protocol.py; ``event["event"]`` is its kind): the input
         it means to the core, if any. Any event proves the worker alive."""
         w.last_heartbeat = now
@@ -180,10 +189,25 @@ class WorkerBook:
             broken, code = request_outcome(kind, event.get("code"))
             return WorkerOutput(w.epoch, req, tokens, text, done, finish, prompt,
                                 int(attempt) if attempt.isdigit() else 0, broken, code)
+        if kind == "heartbeat" and w.rank == 0:
+            return self._load(w, event, now)
         if kind == "error":
             # An error with no request before it is ready: why it cannot form its group.
             w.fault = self._fault(w, event) if not w.ready else None
         return None
+
+    def _load(self, w: WatchedWorker, event: Mapping[str, Any], now: float) -> WorkerLoad | None:
+        """A head's heartbeat as the core hears it: its batch when it changed, and at least
+        every LOAD_REPEAT_S while it serves (so the cluster's view never goes stale); None
+        for a heartbeat without a well-formed load (an older worker)."""
+        numbers = [event.get(k) for k in ("running", "queued", "tokens")]
+        if not all(type(n) is int and 0 <= n < 1 << 62 for n in numbers):
+            return None
+        load = WorkerLoad(w.epoch, *numbers)
+        if load == w.load and now - w.load_at < LOAD_REPEAT_S:
+            return None
+        w.load, w.load_at = load, now
+        return load
 
     def _fault(self, w: WatchedWorker, event: Mapping[str, Any]) -> WorkerFault | None:
         """The worker's fault (worker/protocol.py error) with the rank at fault named by its

@@ -52,7 +52,7 @@ import mlx.core as mx
 from p2pmesh.worker.model import Shard
 from p2pmesh.worker.ring_wake import wait_readable
 from p2pmesh.worker.sampling import sample, step_key_seed
-from p2pmesh.worker.scheduler import PrefillStep, ReleaseStep, Row, Step
+from p2pmesh.core.batching import PrefillStep, ReleaseStep, Row, Step
 
 PREFILL_CHUNK = 128
 HEADER_WORDS = 8

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from p2pmesh.core import protocol as limits_
-from p2pmesh.worker.scheduler import Finished, Sampling, Scheduler
+from p2pmesh.core.batching import Finished, Sampling, Scheduler
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 300.0

@@ -1,5 +1,5 @@
 """A client that hangs up frees its request's slot at once (issue 15), with real agent
-processes and a real worker on loopback.
+processes and a real worker on loopback; meanwhile every Mac's status shows the head's batch.
 
 Two agents; the model is small enough that one Mac serves it, so the other agent is an
 origin only: its client's hang-up crosses the wire (InferCancel) to the head, whose worker
@@ -74,6 +74,11 @@ def test_a_client_that_hangs_up_on_another_mac_frees_the_heads_only_slot(tmp_pat
         with p2pmesh.Client(origin.state_dir / "agent.sock") as client:
             first = client.generate(PROMPT, max_tokens=4000)
             assert next(iter(first))  # it runs: the head's one slot is taken
+            # Any Mac's status shows the serving head's batch (its worker's heartbeat, sent on to
+            # every member): here the other Mac's, with the one request running.
+            requests = wait_for(lambda: (r := client.status().requests) and r.active == 1 and r.tokens_per_s > 0 and r,
+                                CANCEL_TIMEOUT_S, "the origin's status showing the head's batch")
+            assert requests.head == stages[0] and requests.queued == 0
             first.close()  # the client hangs up mid-stream
             wait_for(lambda: "its client hung up; cancelling it" in head.log_text(), CANCEL_TIMEOUT_S,
                      "the head cancelling the request in its worker")
@@ -88,6 +93,8 @@ def test_a_client_that_hangs_up_on_another_mac_frees_the_heads_only_slot(tmp_pat
                     assert time.monotonic() < deadline, "the hung-up request still holds the worker's slot"
                     time.sleep(0.2)
             assert result.finish == "length" and len(result.tokens) == 4
+            wait_for(lambda: (r := client.status().requests) and r.active == 0 and r.queued == 0, CANCEL_TIMEOUT_S,
+                     "the head's batch empty again")
     finally:
         for a in agents:
             a.stop()

@@ -2,10 +2,23 @@
 with the tokens generated so far, stale epochs, and its bounds."""
 from __future__ import annotations
 
+import dataclasses
+
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.messages import InferCancel, InferRequest, InferTokens
+from p2pmesh.core.messages import Capabilities, ClusterState, InferCancel, InferRequest, InferTokens, LoadReport, Member
 from p2pmesh.core.protocol import ErrorCode
-from p2pmesh.core.serving import BEACON_MS, REQUESTS_MAX, SILENT_MS, STALE, STALL_MS, GenerateParams, Router, WorkerCancel
+from p2pmesh.core.serving import (
+    BEACON_MS,
+    LOAD_STALE_MS,
+    REQUESTS_MAX,
+    SILENT_MS,
+    STALE,
+    STALL_MS,
+    GenerateParams,
+    Router,
+    WorkerCancel,
+    WorkerSubmit,
+)
 
 A, B, C = NodeId("a" * 32), NodeId("b" * 32), NodeId("c" * 32)
 PARAMS = GenerateParams("hello", (), 6, 0.0, 1.0, 0)
@@ -349,7 +362,7 @@ def test_a_client_that_hangs_up_frees_the_heads_worker_slot() -> None:
     head.on_request(A, req, None)
     head.tick(None, B, 3, 1)
     head.take()  # the submit
-    origin.cancelled("r1")
+    origin.cancelled("r1", 0)
     assert not origin.origins
     messages, _, client = origin.take()
     assert client == []  # the client is gone: nothing is told to it
@@ -376,8 +389,8 @@ def test_a_cancel_of_another_origins_request_or_an_old_attempt_is_ignored() -> N
 def test_a_client_that_hangs_up_before_its_request_was_sent_costs_no_message() -> None:
     origin = Router(A)
     origin.requested("r1", PARAMS, 0)
-    origin.cancelled("r1")
-    origin.cancelled("unknown")  # twice, or never asked: nothing happens
+    origin.cancelled("r1", 0)
+    origin.cancelled("unknown", 0)  # twice, or never asked: nothing happens
     origin.tick(None, B, 3, 0)
     assert origin.take() == ([], [], [])
 
@@ -387,6 +400,77 @@ def test_origin_and_head_on_one_node_cancel_through_the_loopback_rounds() -> Non
     node.requested("r1", PARAMS, 0)
     _, [submit], _ = node.step(None, A, 3, 0)
     assert submit.req == "r1"
-    node.cancelled("r1")
+    node.cancelled("r1", 1)
     _, commands, client = node.step(None, A, 3, 1)
     assert commands == [WorkerCancel(3, "r1", 1)] and client == [] and not node.served
+
+
+# --- the serving head's load ---------------------------------------------------------------------
+
+
+def _members(*ids: NodeId) -> ClusterState:
+    return ClusterState("c", tuple(Member(n, 1, True, True, (), Capabilities(0, "m")) for n in ids), 1, ids, ())
+
+
+def test_the_head_reports_its_batch_and_tokens_per_second_to_every_member() -> None:
+    head = Router(B)
+    state = _members(A, B, C)
+    head.worker_load(3, 2, 1, 100, 1_000)
+    messages, _, _ = head.step(state, B, 3, 1_000)
+    assert sorted(dst for dst, _ in messages) == [A, C]  # every member but itself
+    assert {m for _, m in messages} == {LoadReport(B, 3, 2, 1, 0.0)}  # one sample: no rate yet
+    head.worker_load(3, 3, 0, 300, 2_000)
+    head.worker_load(3, 3, 0, 700, 3_000)
+    report = head.load_now(3, 3_000)
+    assert report is not None and (report.running, report.queued, report.tokens_per_s) == (3, 0, 300.0)
+    # The rate is over the last RATE_WINDOW_MS only, and a new worker's counter starts again.
+    for t in range(4_000, 12_001, 1_000):
+        head.worker_load(3, 3, 0, 700 + (t - 3_000) // 10, t)
+    assert head.load_now(3, 12_000).tokens_per_s == 100.0  # type: ignore[union-attr]
+    head.worker_load(4, 1, 0, 5, 12_500)
+    assert head.load_now(4, 12_500).tokens_per_s == 0.0  # type: ignore[union-attr]
+    assert head.load_now(3, 12_500) is None  # an older epoch's report says nothing
+
+
+def test_a_member_keeps_the_heads_report_only_while_it_is_fresh() -> None:
+    origin, head = Router(A), Router(B)
+    state = _members(A, B)
+    head.worker_load(3, 1, 0, 10, 0)
+    [(_, report)] = head.step(state, B, 3, 0)[0]
+    origin.on_message(B, report, state, 100)
+    assert origin.load_now(3, 100) == report
+    assert origin.load_now(3, 100 + LOAD_STALE_MS + 1) is None
+    origin.on_message(C, LoadReport(B, 3, 9, 9, 1.0), state, 200)  # forged by another member: ignored
+    assert origin.load_now(3, 200) == report
+    not_head = Router(C)
+    not_head.worker_load(3, 1, 0, 10, 0)  # a stale worker of a node no longer the head says nothing to others
+    assert not_head.step(state, B, 3, 0)[0] == []
+
+
+def test_a_lost_cancel_is_sent_again_when_the_head_speaks_of_the_request() -> None:
+    origin = Router(A)
+    origin.requested("r1", PARAMS, 0)
+    origin.tick(None, B, 3, 0)
+    _requests(origin)
+    origin.cancelled("r1", 100)
+    [(_, cancel)] = origin.take()[0]  # lost on the way
+    # The head still streams: a token, then beacons; each answered with the cancel again,
+    # at most once per BEACON_MS.
+    origin.on_tokens(InferTokens(B, "r1", 3, (7,), "x", False, "", (1,), 1, 0), 200)
+    assert origin.take()[0] == []  # too soon after the first
+    origin.on_tokens(InferTokens(B, "r1", 3, (), "", False, "", (), 1, 1), 100 + BEACON_MS)
+    assert origin.take() == ([(B, cancel)], [], [])  # and nothing reaches the gone client
+    origin.on_tokens(InferTokens(B, "r1", 3, (), "", True, "cancelled", (), 1, 1), 2_000 + BEACON_MS)
+    assert origin.take() == ([], [], []) and "r1" not in origin.hung_up  # its end: forgotten
+
+
+def test_a_new_attempt_frees_the_slot_of_the_one_it_replaces() -> None:
+    head = Router(B)
+    first = InferRequest(A, "r1", 3, "hi", (), 4, 0.0, 1.0, 0, 1)
+    head.on_request(A, first, None)
+    head.tick(None, B, 3, 0)
+    assert [type(c) for c in head.take()[1]] == [WorkerSubmit]
+    head.on_request(A, dataclasses.replace(first, attempt=2), None)  # the origin lost a frame: again
+    head.tick(None, B, 3, 1)
+    commands = head.take()[1]
+    assert commands[0] == WorkerCancel(3, "r1", 1) and isinstance(commands[1], WorkerSubmit) and commands[1].attempt == 2

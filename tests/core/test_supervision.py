@@ -7,7 +7,7 @@ import dataclasses
 
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.messages import ClusterState, ModelInfo, Stage, WorkerFault
-from p2pmesh.core.node_io import WorkerCrashed, WorkerLoaded, WorkerOutput
+from p2pmesh.core.node_io import WorkerCrashed, WorkerLoad, WorkerLoaded, WorkerOutput
 from p2pmesh.core.protocol import ErrorCode
 from p2pmesh.core.supervision import HEARTBEAT_TIMEOUT_S, PROGRESS_TIMEOUT_S, WorkerBook, group_hops
 
@@ -125,3 +125,22 @@ def test_a_worker_that_cannot_start_is_reported_and_not_retried() -> None:
 def test_group_hops_follow_the_epoch() -> None:
     state = _state(placement_epoch=3)
     assert group_hops(state, 3) is state.placement_hops and group_hops(state, 2) is state.active_hops
+
+
+def test_a_heads_heartbeat_tells_the_core_its_batch_when_it_changes_and_every_second() -> None:
+    book = WorkerBook(ME)
+    moves = book.reconcile(_state(placement_epoch=3, fetched=(ME, PEER)), 0.0)
+    head, other = (book.started(w, 0.0) for w in sorted(moves.start, key=lambda w: w.rank))
+    assert (head.rank, other.rank) == (0, 1)
+
+    def beat(w, t, **load):  # type: ignore[no-untyped-def]
+        return book.heard(w, {"event": "heartbeat", "rank": w.rank, "t": t, **load}, t)
+
+    assert beat(head, 0.5, running=2, queued=1, tokens=40) == WorkerLoad(2, 2, 1, 40)
+    assert beat(head, 1.0, running=2, queued=1, tokens=40) is None  # unchanged, told 0.5 s ago
+    assert beat(head, 1.5, running=2, queued=1, tokens=40) == WorkerLoad(2, 2, 1, 40)  # a second: again
+    assert beat(head, 1.6, running=3, queued=0, tokens=41) == WorkerLoad(2, 3, 0, 41)  # changed: at once
+    assert beat(head, 3.0) is None  # an older worker's heartbeat carries no load
+    assert beat(head, 3.0, running=-1, queued=0, tokens=1) is None and beat(head, 3.0, running=True, queued=0, tokens=1) is None
+    assert beat(other, 3.0, running=1, queued=0, tokens=1) is None  # only a head has a batch
+    assert not head.hung(3.0)  # any event proves it alive

@@ -1,6 +1,7 @@
 """The data plane in the simulator (sim/dataplane.py, sim/serving_scenario.py): placements
 tile the layers, activation waits for every stage, no request is lost or altered across
-epochs, and the cluster serves again within the bound after every change. Planted bugs
+epochs, and the cluster serves again within the bound after every change; concurrent
+requests are batched by the head (sim/fake_head.py), some hang up, some are refused busy. Planted bugs
 (Machine subclasses, never flags in p2pmesh/) show that the checks have teeth."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from p2pmesh.core.messages import ActivatePlacement, InferRequest
 from p2pmesh.core.raft import Raft
 from p2pmesh.core.serving import Router, _Origin
 from sim.cli import main as sim_main
-from sim.dataplane import EOS, expected_output, tokenize
+from sim.fake_model import EOS, expected_output, tokenize
 from sim.serving_scenario import SERVING_BOUND_US, ServingScenario, run_serving_seed
 
 SEEDS_PER_SIZE = 20
@@ -26,16 +27,25 @@ PLANT_SEEDS = 10
 
 @pytest.mark.parametrize("nodes", [3, 4, 5, 6])
 def test_serving_survives_crashes_sleeps_joins_and_leaves(nodes: int) -> None:
-    resumed = completed = 0
+    resumed = completed = cancelled = freed = busy = batched = ttft = 0
     for seed in range(SEEDS_PER_SIZE):
         r = run_serving_seed(seed, nodes=nodes)
         assert r.violation is None, f"seed {seed}: {r.violation}: {r.detail} (python -m sim serving --seeds {seed} --nodes {nodes})"
         assert r.first_serving_ms is not None and len(r.steps) == 6  # five changes and the heal
         assert all(ms <= SERVING_BOUND_US / 1000 for ms in r.back_to_serving_ms)
         assert r.errors == 0
+        assert 1 <= r.most_running <= r.batch_max
         resumed += r.resumed
         completed += r.completed
+        cancelled += r.cancelled
+        freed += r.head_cancels
+        busy += r.busy
+        batched += r.most_running > 1
+        ttft += len(r.ttft_ms)
     assert completed > 100 and resumed > 10  # the sweep does move requests across epochs
+    # ... and does batch, hang up (freeing slots at the heads), refuse busy and report TTFT.
+    assert batched > SEEDS_PER_SIZE // 2 and cancelled > 10 and freed > 5 and busy > 10
+    assert completed * 0.9 < ttft <= completed
 
 
 def test_the_same_seed_gives_the_same_trace() -> None:
@@ -64,8 +74,16 @@ def test_cli_prints_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["seeds"] == 4 and summary["failures"] == 0 and summary["requests"] > 0
     assert summary["back_to_serving_ms"]["max"] <= SERVING_BOUND_US / 1000
-    for key in ("resumed_requests", "error_requests", "orphaned_requests", "first_serving_ms"):
+    for key in ("resumed_requests", "error_requests", "orphaned_requests", "first_serving_ms", "cancelled_requests",
+                "busy_refusals", "busy_gave_up", "cancels_freeing_a_slot", "batch"):
         assert key in summary
+    assert summary["ttft_ms"]["count"] > 0 and summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
+
+
+def test_one_request_per_burst_and_no_queue(capsys: pytest.CaptureFixture[str]) -> None:
+    assert sim_main(["serving", "--seeds", "0-3", "--concurrency", "1", "--max-queue", "0"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["failures"] == 0 and summary["requests"] > 0
 
 
 @pytest.mark.parametrize("options", [

@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler (worker/scheduler.py) alone: no MLX, a fake model.
+"""The continuous-batching scheduler (core/batching.py) alone: no MLX, a fake model.
 
 The fake "model" answers every sampled row with a token derived from (request number,
 position), so each request's stream is known in advance whatever the batch does."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pmesh.worker.scheduler import (
+from p2pmesh.core.batching import (
     DecodeStep,
     Finished,
     PrefillStep,

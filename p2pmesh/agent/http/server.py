@@ -269,7 +269,7 @@ class HttpApi:
         s = self.agent.status()
         # Local details (pid, state directory) stay on the control socket.
         keys = ("node_id", "cluster_id", "role", "term", "leader", "healthy", "commit_index", "applied_index",
-                "members", "ring", "placement")
+                "members", "ring", "placement", "requests")
         return {k: s.get(k) for k in keys}
 
     # -- generation -------------------------------------------------------------------

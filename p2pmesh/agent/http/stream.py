@@ -99,6 +99,8 @@ class Run:
         self.prompt_count, self.idle_s = prompt_count, idle_s
         self.scanner = StopScanner(options.stop)
         self.completion_tokens = 0
+        self.started = trio.current_time()
+        self.first_token_at: float | None = None
 
     async def _next(self) -> dict[str, Any]:
         with trio.move_on_after(self.idle_s):
@@ -113,7 +115,10 @@ class Run:
         problem = generation_error(event)
         if problem is not None:
             raise problem
-        self.completion_tokens += len(event.get("tokens") or ())
+        tokens = len(event.get("tokens") or ())
+        if tokens and self.first_token_at is None:
+            self.first_token_at = trio.current_time()
+        self.completion_tokens += tokens
         text = self.scanner.feed(str(event.get("text") or ""))
         if self.scanner.hit:
             return text, "stop"
@@ -124,6 +129,12 @@ class Run:
     def usage(self) -> dict[str, Any]:
         p, c = self.prompt_count, self.completion_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": None if p is None else p + c}
+
+    def timings(self) -> dict[str, Any]:
+        """p2pmesh's addition (as llama.cpp's server has one): the time from the request's
+        arrival to its first token, None when none came."""
+        first = self.first_token_at
+        return {"ttft_ms": None if first is None else round((first - self.started) * 1000, 1)}
 
     async def respond(self, reply: Reply) -> None:
         try:
@@ -136,7 +147,7 @@ class Run:
                     parts.append(text)
                     if finish is not None:
                         break
-                await reply.json(200, self.shape.whole("".join(parts), finish, self.usage()))
+                await reply.json(200, {**self.shape.whole("".join(parts), finish, self.usage()), "timings": self.timings()})
         except ApiError as exc:
             if not reply.started:
                 await reply.error(exc)
@@ -161,6 +172,6 @@ class Run:
                 break
             text, finish = self._take(await self._next())
         if self.options.include_usage:
-            await reply.event(self.shape.usage_chunk(self.usage()))
+            await reply.event({**self.shape.usage_chunk(self.usage()), "timings": self.timings()})
         await reply.event("[DONE]")
         await reply.end_events()

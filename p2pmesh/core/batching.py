@@ -2,8 +2,10 @@
 
 Owns the decisions only (no MLX, no I/O, no clock): the queue of waiting requests, the
 running batch (at most `max_batch` requests, each with its own position), the decode
-groups (micro-batches), and the steps to send. The worker (serve.py) feeds it requests,
-cancels and step results; the engine (pipeline.py) runs the steps it returns.
+groups (micro-batches), and the steps to send. The worker (worker/serve.py) feeds it
+requests, cancels and step results; its engine (worker/pipeline.py) runs the steps it
+returns. It lives in the core, pure and deterministic, so that the simulator's fake head
+worker (sim/dataplane.py) runs the very same decisions on virtual time.
 
 One iteration of the worker's loop:
   1. `plan()`: the steps to start now, in order: RELEASE of requests that left (their KV
