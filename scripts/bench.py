@@ -599,7 +599,7 @@ def section_batching(b: dict[str, Any], meta: dict[str, Any]) -> list[str]:
                          "the concurrency targets assume a model where it gains 2x or more, so they are read loosely here.")
         if f["with_long_short_p99"] > 10 * max(f["8_at_once_p99"], 1e-3):
             notes.append("- **A long prompt delays the requests that arrive after it**: the worker's scheduler prefills one "
-                         "request at a time, oldest first (worker/scheduler.py), so a short prompt queued behind a long one "
+                         "request at a time, oldest first (core/batching.py), so a short prompt queued behind a long one "
                          "waits for its whole prefill, while requests already decoding keep going (the gap row). Prefilling "
                          "the shortest remaining prompt first, or round-robin by chunk, would bound that wait.")
     else:
