@@ -584,7 +584,9 @@ def section_batching(b: dict[str, Any], meta: dict[str, Any]) -> list[str]:
             Row(f"TTFT p50 / p99 of the 8 with a {d['long_prompt_tokens']:,}-token prompt arriving fifth among them",
                 f"{f['with_long_short_p50']:.3f} / {f['with_long_short_p99']:.3f} s"),
             Row(f"TTFT of the {d['long_prompt_tokens']:,}-token prompt: among the 8 (p50) / arriving while they decode",
-                f"{f['with_long_long_p50']:.3f} / {f['long_while_8_run']:.3f} s"),
+                f"{f['with_long_long_p50']:.3f} / {f['long_while_8_run']:.3f} s",
+                f"mlx-lm, that prompt alone {f['long_alone_mlx_lm']:.3f} s" if "long_alone_mlx_lm" in f else "",
+                f["long_while_8_run"] / f["long_alone_mlx_lm"] if f.get("long_alone_mlx_lm") else None),
             Row("running requests' longest gap between two tokens while the long prompt is prefilled",
                 f"{d['running_gap_s']['during_long_prefill_max'] * 1000:.0f} ms",
                 f"median gap before it {d['running_gap_s']['before_median'] * 1000:.1f} ms",
@@ -621,6 +623,24 @@ def section_batching(b: dict[str, Any], meta: dict[str, Any]) -> list[str]:
                 Row("the workers, one request after another", f"{t[w + 'sequential']:.0f} tok/s{ms(w + 'sequential')}",
                     f"mlx-lm sequential {t['mlx_sequential']:.0f} tok/s", t[w + "sequential"] / t["mlx_sequential"]),
             ]
+        if "baseline_tree" in d:  # before/after, run by hand with --baseline-tree (bench.py does not)
+            med, base = d["median"], f"baseline_{d['stages']}_stages_"
+            seq_ratio = med[w + "sequential"] / med[base + "sequential"]
+            rows += [
+                Row("single stream: the workers one request after another, vs the baseline checkout's (medians)",
+                    f"{med[w + 'sequential']:.0f} tok/s", f"baseline {med[base + 'sequential']:.0f} tok/s", seq_ratio,
+                    ">= 0.95x", seq_ratio >= 0.95),
+                Row("8 at once, the workers vs the baseline checkout's (medians)", f"{med[w + 'concurrent']:.0f} tok/s",
+                    f"baseline {med[base + 'concurrent']:.0f} tok/s", med[w + "concurrent"] / med[base + "concurrent"]),
+                Row("CPU ms per token, 8 at once / one at a time (medians)",
+                    f"{med[w + 'concurrent_cpu_ms_per_token']:.2f} / {med[w + 'sequential_cpu_ms_per_token']:.2f}",
+                    f"baseline {med[base + 'concurrent_cpu_ms_per_token']:.2f} / {med[base + 'sequential_cpu_ms_per_token']:.2f}",
+                    med[w + "sequential_cpu_ms_per_token"] / med[base + "sequential_cpu_ms_per_token"]),
+            ]
+        else:
+            notes.append("- Single-stream speed against older workers is not part of this run: "
+                         "`scripts/bench_batch.py --stages 2 --baseline-tree DIR` (DIR a checkout of the older commit) "
+                         "runs both, interleaved, and compares medians.")
         rows.append(Row("one process, the workers' scheduler and engine, 8 at once vs batch_generate",
                         f"{t['engine_batched']:.0f} tok/s", f"batch_generate {t['mlx_batch_generate']:.0f} tok/s",
                         d["batched_vs_mlx_batch_generate"]))

@@ -15,7 +15,8 @@ scripts/bench_batch.py, --tokens each:
       aggregate tokens/s = all tokens / wall time from the first send to the last result;
   (b) sequential: the same 8 one after another through the client;
   (c) mlx_lm.batch_generate of the same 8 prompts in this process (EOS ignored), and
-      mlx-lm's generate_step one prompt after another: the reference;
+      mlx-lm's generate_step one prompt after another: the reference (each twice per run);
+      and mlx-lm's time to the first token of the long prompt alone;
   (d) a long prompt (--long tokens) among 8: the 8 and the long one (sent fifth) at once,
       the time to first token of each (GenerationResult.ttft_s, as the agent measured it);
       then the long one arriving while the 8 decode: the longest gap between two tokens of
@@ -140,6 +141,18 @@ def long_while_running(sock: Path, ids: list[list[int]], long_ids: list[int], to
     return long_req.ttft_s, max(during) if during else 0.0, statistics.median(before)
 
 
+def mlx_ttft(model: Any, ids: list[int]) -> float:
+    """mlx-lm alone: the seconds to the first token of `ids` (its prefill, 128-token steps as
+    the workers' chunks)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    t0 = time.monotonic()
+    for _ in generate_step(mx.array(ids), model, max_tokens=1, prefill_step_size=128, sampler=lambda x: mx.argmax(x, axis=-1)):
+        pass
+    return time.monotonic() - t0
+
+
 def pct(xs: list[float], p: float) -> float:
     """The p-th percentile (nearest rank) of xs."""
     s = sorted(xs)
@@ -219,12 +232,15 @@ def main() -> int:
         ttft_short: list[float] = []
         ttft_long: list[float] = []
         running: list[tuple[float, float, float]] = []
+        mlx_long: list[float] = []
         run_at_once(sock, ids, args.tokens)  # warm-up: the workers' first steps compile and allocate
         for _ in range(args.runs):
             t_c, conc = run_at_once(sock, ids, args.tokens)
             t_s, seq = run_one_by_one(sock, ids, args.tokens)
-            t_m, n_m = run_mlx_batch(mlx_model, tokenizer, ids, args.tokens)
-            t_q, n_q = run_mlx_sequential(mlx_model, ids, args.tokens)
+            # The references twice per run (they take seconds; the cluster's runs take longer).
+            (t_m, n_m), (t_q, n_q) = (min(run_mlx_batch(mlx_model, tokenizer, ids, args.tokens) for _ in range(2)),
+                                      min(run_mlx_sequential(mlx_model, ids, args.tokens) for _ in range(2)))
+            mlx_long.append(mlx_ttft(mlx_model, long_ids))
             assert n_m == total and n_q == total, (n_m, n_q)
             same = same and [r.tokens for r in conc] == [r.tokens for r in seq]
             ttft_at_once += [r.ttft_s for r in conc if r.ttft_s is not None]
@@ -256,6 +272,7 @@ def main() -> int:
             "with_long_short_p50": round(pct(ttft_short, 50), 3), "with_long_short_p99": round(pct(ttft_short, 99), 3),
             "with_long_long_p50": round(pct(ttft_long, 50), 3), "with_long_long_p99": round(pct(ttft_long, 99), 3),
             "long_while_8_run": round(min(x[0] for x in running), 3),
+            "long_alone_mlx_lm": round(min(mlx_long), 3),
         },
         "running_gap_s": {"during_long_prefill_max": round(min(x[1] for x in running), 3),
                           "before_median": round(min(x[2] for x in running), 4)},

@@ -76,7 +76,8 @@ def canned() -> dict[str, Any]:
                               "mlx_sequential": 160.0},
                     "mlx_batch_gain": 2.5, "sequential_vs_mlx_sequential": 0.81, "concurrent_tokens_equal_sequential": True,
                     "ttft_s": {"8_at_once_p50": 0.06, "8_at_once_p99": 0.2, "with_long_short_p50": 0.1, "with_long_short_p99": 6.5,
-                               "with_long_long_p50": 6.4, "with_long_long_p99": 6.4, "long_while_8_run": 6.2},
+                               "with_long_long_p50": 6.4, "with_long_long_p99": 6.4, "long_while_8_run": 6.2,
+                               "long_alone_mlx_lm": 5.0},
                     "running_gap_s": {"during_long_prefill_max": 0.44, "before_median": 0.011}}
     machine = {"cpu": "Test CPU", "arch": "x86_64", "cores": 2, "ram_gib": 24.0, "os": "Linux-test", "python": "3.11.7",
                "mlx": "0.32.4", "root": True, "settings": {"election_min_ms": 150, "election_max_ms": 300, "down_after_ms": 1000}}
@@ -170,6 +171,7 @@ def test_the_batching_section_sets_the_cluster_against_mlx_lm_in_the_same_run() 
     workers = find(rows, "8 at once, 2 worker processes alone")
     assert workers[0] == "300 tok/s, 1.80 CPU ms/token" and workers[2:5] == ["0.750x", "", ""]
     assert find(rows, "TTFT p50 / p99 of the 8 with a 1,500-token prompt")[0] == "0.100 / 6.500 s"
+    assert find(rows, "TTFT of the 1,500-token prompt")[:3] == ["6.400 / 6.200 s", "mlx-lm, that prompt alone 5.000 s", "1.24x"]
     assert find(rows, "running requests' longest gap")[:3] == ["440 ms", "median gap before it 11.0 ms", "40.0x"]
     assert "**A long prompt delays the requests that arrive after it**" in text
     assert "- All 4 figures with a target meet it." in text
