@@ -1,9 +1,11 @@
 """How an epoch's worker joins its group (p2pmesh/agent/tasks/workers.py group_launch): MLX's ring
 backend with a hostfile over TCP, or JACCL when every hop is RDMA-capable. JACCL itself
-cannot run here (no Thunderbolt 5 RDMA on Linux); what it is given is checked."""
+cannot run here (no Thunderbolt 5 RDMA on Linux); what it is given is checked. And what
+ends a worker: its agent's end (its stdout gone), never the end of the thread that started it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +84,67 @@ def test_a_request_event_ends_or_resumes_by_the_workers_code() -> None:
     assert request_outcome("error", "busy") == (False, ErrorCode.BUSY)
     assert request_outcome("error", "pipeline_broken")[0] is True
     assert request_outcome("error", "a code from a newer worker")[0] is True
+
+
+def test_a_worker_outlives_the_thread_that_started_it() -> None:
+    """trio starts processes from its worker-thread cache, whose threads end after 10 s
+    idle. A worker started with PR_SET_PDEATHSIG was SIGKILLed by the kernel then (Linux
+    sends it when the forking *thread* ends): a healthy new epoch broke under 8 resumed
+    requests seconds after it started (tests/agent/test_batch_faults.py)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from p2pmesh.agent.tasks.workers import spawn_options
+
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> None:
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], **spawn_options()))
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    starter.join(timeout=30)
+    try:
+        time.sleep(0.5)  # the starting thread is gone: a death signal would have landed
+        assert procs[0].poll() is None, f"the worker died with its starting thread: {procs[0].returncode}"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_a_worker_exits_when_its_agent_is_gone(tmp_path: Path) -> None:
+    """What ends a worker instead: its agent holds the only read end of its stdout; once
+    that is closed (the agent died), the worker's next heartbeat fails and it exits, even
+    with its stdin still open and nothing else to wake it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.fixtures.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", "llama", 2, 64)
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_RANK", "MLX_HOSTFILE")}
+    proc = subprocess.Popen([sys.executable, "-m", "p2pmesh.worker.serve", "--model", str(model), "--stages", "[[0, 2]]",
+                             "--rank", "0", "--timeout-s", "60"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # heartbeats every 0.5 s: readline never waits long
+            line = proc.stdout.readline()
+            assert line, "the worker ended before it was ready"
+            if json.loads(line)["event"] == "ready":
+                break
+        else:
+            raise AssertionError("the worker was not ready within 60 s")
+        proc.stdout.close()
+        assert proc.wait(timeout=10) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdin.close()

@@ -93,12 +93,15 @@ class LeaderDuties:
                 if not member.up and member.inc == me.inc:
                     self.propose_once(r, MarkUp(member.node_id, member.inc), now_ms)  # marked down by a predecessor
                 continue
-            heard = last_heard.get(member.node_id, self.since_ms)
-            silent_ms = now_ms - max(heard, self.since_ms)
+            heard = last_heard.get(member.node_id)
+            silent_ms = now_ms - max(self.since_ms if heard is None else heard, self.since_ms)
             silent_max_ms = max(silent_max_ms, silent_ms)
             if member.up and silent_ms >= s.down_after_ms:
                 self.propose_once(r, MarkDown(member.node_id, member.inc), now_ms)
-            elif not member.up and silent_ms < s.down_after_ms:
+            elif not member.up and heard is not None and now_ms - heard < s.down_after_ms:
+                # Up when heard again. Silence counted from this election at the latest only
+                # delays marking members down: counted for marking up, each new leader would
+                # mark a dead Mac up (and the placement take it back) until it is down again.
                 self.propose_once(r, MarkUp(member.node_id, member.inc), now_ms)
             elif config_ok and not member.up and silent_ms >= s.remove_after_ms and removal_keeps_quorum(r, me.node_id, member.node_id):
                 if self.propose_once(r, RemoveMember(member.node_id, member.inc, "unreachable"), now_ms):

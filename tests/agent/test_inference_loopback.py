@@ -62,21 +62,31 @@ def slow_reference(slow_model: Path) -> list[int]:
 
 def _reference(model: Path) -> list[int]:
     """Greedy tokens of one plain mlx-lm process (the worker package is not involved)."""
-    tiny_model = model
+    return _references(model, [PROMPT], REFERENCE_TOKENS)[0]
+
+
+def _references(model: Path, prompts: list[str], max_tokens: int, stop_at_eos: bool = False) -> list[list[int]]:
+    """Each prompt's first ``max_tokens`` greedy tokens (up to its end-of-sequence token,
+    excluded, with ``stop_at_eos``), one prompt after another in one plain mlx-lm process,
+    as if each ran alone."""
     code = f"""
 import json, mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-model, tok = load({str(tiny_model)!r})
-prompt = mx.array(tok.encode({PROMPT!r}))
-out = []
-for (t, _), _ in zip(generate_step(prompt, model, max_tokens={REFERENCE_TOKENS}, sampler=lambda x: mx.argmax(x, axis=-1)), range({REFERENCE_TOKENS})):
-    out.append(int(t))
-print(json.dumps(out))
+model, tok = load({str(model)!r})
+eos = set(tok.eos_token_ids or ()) if {stop_at_eos!r} else set()
+for text in {prompts!r}:
+    out = []
+    steps = generate_step(mx.array(tok.encode(text)), model, max_tokens={max_tokens}, sampler=lambda x: mx.argmax(x, axis=-1))
+    for (t, _), _ in zip(steps, range({max_tokens})):
+        if int(t) in eos:
+            break
+        out.append(int(t))
+    print(json.dumps(out))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in r.stdout.strip().splitlines()[-len(prompts):]]
 
 
 def _layer_bytes(model: Path) -> int:

@@ -650,3 +650,47 @@ def test_messages_are_typed_values() -> None:
                 m: Message = msg
                 assert type(m) in wire._tag_of
 
+
+
+# --------------------------------------------------------------------------------------
+# Failure detection across elections
+
+
+def test_a_new_leader_keeps_a_dead_member_down_until_it_is_heard() -> None:
+    """A member a predecessor marked down stays down under a new leader until the new leader
+    hears from it. The new leader counts silence from its own election at the latest, which
+    must only delay marking members *down*: counted for marking *up*, every election marked
+    a dead Mac up, the placement took it back, and a second later down again (two epochs per
+    election, breaking the epoch that served the resumed requests; tests/agent/test_batch_faults.py)."""
+    d, ids = formed(5)
+    leader = leader_of(d)
+    victim = next(n for n in ids if n != leader.node_id)
+    d.cut.add(victim)  # the Mac dies
+    assert d.run_until(lambda: not _member(leader_of(d), victim).up, 3_000), "the dead Mac was never marked down"
+
+    old = leader_of(d).node_id
+    d.cut.add(old)  # the leader is lost too: the three others elect one of them
+    assert d.run_until(lambda: _leader_among(d, old) is not None, 3_000), "no new leader"
+    new = _leader_among(d, old)
+    assert new is not None
+    ups = []
+    for _ in range(300):  # 3 s of the new leader's reign: three failure-detection periods
+        d.run(10)
+        if _member(d.machines[new], victim).up:
+            ups.append(d.now)
+    assert not ups, f"the new leader marked the dead Mac up at {ups[:3]} ms"
+
+    d.cut.discard(victim)  # it comes back: heard again, it is up
+    assert d.run_until(lambda: _member(d.machines[new], victim).up, 3_000), "the Mac that came back stayed down"
+
+
+def _member(m: Machine, node: NodeId) -> Member:
+    assert m.raft is not None
+    return next(x for x in m.raft.state.members if x.node_id == node)
+
+
+def _leader_among(d: Driver, not_this: NodeId) -> NodeId | None:
+    for node, m in d.machines.items():
+        if node != not_this and node not in d.cut and m.raft is not None and m.raft.role is Role.LEADER:
+            return node
+    return None

@@ -1,11 +1,13 @@
 """Continuous batching in real worker processes (tests/worker/worker_cluster.py): one stage,
-and two stages over the real MLX ring on loopback.
+and two, three and four stages over the real MLX ring on loopback.
 
 8 concurrent greedy requests with different prompt lengths and max_tokens give exactly
 each request's unbatched greedy tokens (mlx-lm's generate_step); a long prompt arriving
 while another request decodes does not stall it (its tokens keep arriving during the long
 prompt's chunked prefill); a bad request in the batch is refused alone; cancel frees a
-slot at once; beyond the queue a request gets "busy"."""
+slot at once; beyond the queue a request gets "busy". Through 3 and 4 stages (one decode
+group per stage, so several micro-batches are in flight along the ring) 8 concurrent
+requests, greedy and sampled, get exactly the tokens each gets alone."""
 from __future__ import annotations
 
 import time
@@ -24,6 +26,10 @@ PREFILL_CHUNK = 8
 SETUPS = {
     "1 stage llama": ("llama", [[0, 8]]),
     "2 stages qwen2 [0,3) [3,8)": ("qwen2", [[0, 3], [3, 8]]),
+}
+DEEP = {
+    "3 stages qwen3 [0,1) [1,5) [5,8)": ("qwen3", [[0, 1], [1, 5], [5, 8]]),
+    "4 stages llama [0,2) [2,4) [4,7) [7,8)": ("llama", [[0, 2], [2, 4], [4, 7], [7, 8]]),
 }
 WORDS = "Several Macs joined by Thunderbolt cables form one ring and serve a model together".split()
 
@@ -159,5 +165,55 @@ def test_cancel_frees_a_slot_and_a_full_queue_says_busy(family: str, stages: lis
         generated = len([e for e in events + rest + tail if e["event"] == "token"])
         cluster.wait_head_beat(lambda beat: (beat["running"], beat["queued"], beat["tokens"]) == (0, 0, generated))
         assert cluster.shutdown() == [0] * cluster.size, cluster.stderrs()
+    finally:
+        cluster.close()
+
+
+SAMPLED = {"r2": (1.2, 0.9, 11), "r5": (0.8, 1.0, 2**31 - 5)}
+"""Requests of the deep batch that sample: temperature, top_p, seed."""
+
+
+@pytest.mark.parametrize(("family", "stages"), DEEP.values(), ids=DEEP.keys())
+def test_deep_pipelines_serve_8_concurrent_requests_exactly(family: str, stages: list[list[int]], tmp_path: Path) -> None:
+    """3 and 4 stages, 8 requests at once with different prompt lengths and max_tokens (the
+    default micro-batches: one decode group per stage, all in flight along the ring): every
+    greedy request gets its unbatched greedy tokens, and every sampled one (its own
+    temperature, top_p and seed) the tokens it gets alone on the same workers."""
+    model = make_tiny_model(tmp_path / family, family, LAYERS, 64)
+    _, tokenizer = mlx_lm.load(str(model))
+    specs = {f"r{i}": (tokenizer.encode(prompt(3 + 7 * i % 23)), 5 + (5 * i) % 13) for i in range(8)}
+    expected = {rid: greedy_reference(model, ids, n) for rid, (ids, n) in specs.items() if rid not in SAMPLED}
+
+    def command(rid: str, as_id: str) -> dict[str, Any]:
+        ids, n = specs[rid]
+        cmd: dict[str, Any] = {"op": "generate", "id": as_id, "prompt_tokens": ids, "max_tokens": n}
+        if rid in SAMPLED:
+            t, p, seed = SAMPLED[rid]
+            cmd |= {"temperature": t, "top_p": p, "seed": seed}
+        return cmd
+
+    cluster = Cluster(model, stages, tmp_path, ["--prefill-chunk", str(PREFILL_CHUNK)])
+    try:
+        cluster.start()
+        cluster.wait_ready()
+        for rid in specs:
+            cluster.send(command(rid, rid))
+        events = collect(cluster, set(specs))
+        for rid in specs:
+            assert final_of(events, rid)["event"] == "done", final_of(events, rid)
+        for rid, want in expected.items():
+            assert tokens_of(events, rid) == want, rid
+        order = [e["id"] for e in events if e["event"] == "token"]
+        spans = {rid: (order.index(rid), len(order) - 1 - order[::-1].index(rid)) for rid in specs}
+        overlap = max(sum(1 for a, b in spans.values() if a <= i <= b) for i in range(len(order)))
+        assert overlap >= 3, f"requests ran one after another, not batched: {order}"
+
+        # Each sampled request alone (no other request running) draws the same tokens, and
+        # strays from greedy (so the comparison says something about sampling).
+        for rid in SAMPLED:
+            alone = cluster.generate(command(rid, f"{rid}-alone"))
+            assert tokens_of(events, rid) == alone, rid
+            assert alone != greedy_reference(model, specs[rid][0], specs[rid][1]), rid
+        assert cluster.shutdown() == [0] * len(stages), cluster.stderrs()
     finally:
         cluster.close()

@@ -5,8 +5,11 @@ One process per epoch and node (MLX cannot re-form a group inside a process). Th
 protocol is JSON lines (docs/inference.md): events on its stdout become core inputs
 (WorkerLoaded, WorkerOutput); requests for the head go to rank 0's stdin. A worker that
 stops sending heartbeats is killed: MLX hangs forever on a silent peer, so liveness is the
-agent's job. A worker never outlives its agent: on Linux the kernel kills it when the agent
-dies (PR_SET_PDEATHSIG); everywhere, rank 0 exits when its stdin closes.
+agent's job. A worker never outlives its agent: every rank writes a heartbeat every 0.5 s
+and exits when its stdout is gone (the agent holds the pipe's only read end), and rank 0
+exits when its stdin closes. Not PR_SET_PDEATHSIG: Linux sends it when the *thread* that
+forked the child ends, and trio forks from its thread cache, whose threads end after 10 s
+idle, so the kernel killed healthy workers seconds after they started (`spawn_options`).
 
 Which workers are wanted comes from the ClusterView (committed, durable state): the
 supervisor reconciles on every new snapshot, and on a period only to catch hung workers.
@@ -113,12 +116,11 @@ def group_launch(want: dataplane.WantedWorker, hops: Any, base_port: int, member
     return GroupLaunch("ring", env, {"hostfile": json.dumps(hostfile)}, {"hostfile": "MLX_HOSTFILE"})
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def spawn_options() -> dict[str, Any]:
+    """How a worker process is started besides its command, pipes and environment: nothing
+    that ties its life to the starting thread (trio.lowlevel.open_process forks from a
+    cached worker thread that ends when idle; the module comment says what ends a worker)."""
+    return {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +205,7 @@ class Supervisor:
         log_file = open(cfg_dir / f"worker-{want.epoch}.log", "ab")  # noqa: SIM115 - owned by the process
         try:
             process = await trio.lowlevel.open_process(
-                cmd, stdin=-1, stdout=-1, stderr=log_file, env=env, preexec_fn=_die_with_parent  # -1: subprocess.PIPE
+                cmd, stdin=-1, stdout=-1, stderr=log_file, env=env, **spawn_options()  # -1: subprocess.PIPE
             )
         finally:
             log_file.close()
