@@ -10,13 +10,16 @@ between groups goes over a plain TCP socket between the groups' rank 0s (`Hop`):
 
     group g rank 0 --activation [1, L, hidden]--> group g+1 rank 0   (g+1 < G)
     last group rank 0 --token id-->               first group rank 0
+    group rank 0 --the same message-->            each other rank of its group ("fan")
 
-and the receiving rank 0 shares what it got with its group by an all-sum with zeros on the
-other ranks (MLX has no broadcast): exactly the costs core/tensor_cost.py charges (one more
-all-reduce of the activation on entering a later group, of the token id on entering the
-first). Within a group every rank computes the same hidden states and logits (the
-all-sums), so every rank of the last group samples the same token and no hop is needed in a
-tensor plan of one group.
+Within a group every rank computes the same hidden states and logits (the all-sums), so
+every rank of the last group samples the same token and a tensor plan of one group needs no
+hop at all. The receiving rank 0 passes what it got on to its group over TCP rather than by
+an all-sum with zeros elsewhere (MLX has no broadcast): the other ranks then wait blocked in
+recv instead of busy-polling a core in MLX's ring while another group computes (which, with
+more ranks than cores, starves the group that works), and on a real ring it costs s - 1
+sends of the activation where the all-sum costs 2 (s - 1) steps. core/tensor_cost.py still
+charges the all-sum (entry_act, entry_token): an upper bound.
 
 Output: one JSON line per rank at the end, {"event": "done", "rank", "group", "how",
 "tokens", "prefill_s", "decode_s"} (one per --repeat run under "runs"), or exit 3 from the
@@ -48,40 +51,67 @@ class HopError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Hop:
-    """The TCP link of this group's rank 0 to its pipeline neighbours: `down` to the next
-    group (the first group when this is the last: the token goes back), `up` from the
-    previous one."""
-    down: socket.socket
+    """This rank's TCP links in a chain of groups. Rank 0: `down` to the next group's rank 0
+    (the first group's when this is the last: the token goes back), `up` from the previous
+    group's, `fan` to the other ranks of its own group. Another rank: `up` from its rank 0."""
+    down: socket.socket | None
     up: socket.socket
+    fan: tuple[socket.socket, ...] = ()
 
     @classmethod
-    def open(cls, listen_port: int, next_addr: tuple[str, int], deadline: float) -> Hop:
+    def open_head(cls, listen_port: int, next_addr: tuple[str, int], fan_port: int, members: int, deadline: float) -> Hop:
         """Listen first, then connect (retried until the deadline: the next group may start
         later), then accept: a connect completes on the backlog, so no order deadlocks."""
-        server = socket.create_server(("127.0.0.1" if next_addr[0] == "127.0.0.1" else "0.0.0.0", listen_port))
+        bind = "127.0.0.1" if next_addr[0] == "127.0.0.1" else "0.0.0.0"
+        server, fan_server = socket.create_server((bind, listen_port)), socket.create_server((bind, fan_port))
         try:
             down = _connect(next_addr, deadline)
-            server.settimeout(max(0.1, deadline - time.monotonic()))
-            up, _ = server.accept()
+            up = _accept(server, deadline)
+            fan = tuple(_accept(fan_server, deadline) for _ in range(members - 1))
         finally:
             server.close()
-        for s in (down, up):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.settimeout(None)
-        return cls(down, up)
+            fan_server.close()
+        return cls(down, up, fan)
+
+    @classmethod
+    def open_member(cls, fan_addr: tuple[str, int], deadline: float) -> Hop:
+        return cls(None, _nodelay(_connect(fan_addr, deadline)))
 
     def send(self, header: dict[str, Any], payload: bytes) -> None:
-        head = json.dumps(header).encode()
-        self.down.sendall(HEADER.pack(len(head)) + head + payload)
+        assert self.down is not None
+        _send(self.down, header, payload)
 
     def recv(self) -> tuple[dict[str, Any], bytes]:
+        """The next message from upstream; rank 0 passes it on to its group (a copy each)."""
         (n,) = HEADER.unpack(_read(self.up, HEADER.size))
-        header = json.loads(_read(self.up, n))
-        return header, _read(self.up, int(header["nbytes"]))
+        head = _read(self.up, n)
+        header = json.loads(head)
+        payload = _read(self.up, int(header["nbytes"]))
+        for s in self.fan:
+            s.sendall(HEADER.pack(n) + head + payload)
+        return header, payload
 
     def close(self) -> None:
-        for s in (self.down, self.up):
-            s.close()
+        for s in (self.down, self.up, *self.fan):
+            if s is not None:
+                s.close()
+
+
+def _send(s: socket.socket, header: dict[str, Any], payload: bytes) -> None:
+    head = json.dumps(header).encode()
+    s.sendall(HEADER.pack(len(head)) + head + payload)
+
+
+def _accept(server: socket.socket, deadline: float) -> socket.socket:
+    server.settimeout(max(0.1, deadline - time.monotonic()))
+    conn, _ = server.accept()
+    return _nodelay(conn)
+
+
+def _nodelay(s: socket.socket) -> socket.socket:
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.settimeout(None)
+    return s
 
 
 def _connect(addr: tuple[str, int], deadline: float) -> socket.socket:
@@ -116,49 +146,35 @@ class GroupRank:
         self.index, self.count, self.hop = index, count, hop
         self.dtype = next(p.dtype for p in _leaves(shard.model.parameters()) if mx.issubdtype(p.dtype, mx.floating))
 
-    def _share(self, x: Any) -> Any:
-        """Rank 0's x on every rank of the group (all-sum with zeros elsewhere)."""
-        mx = self.mx
-        if self.group is None or self.group.size() == 1:
-            return x
-        return mx.distributed.all_sum(x if self.rank == 0 else mx.zeros_like(x), group=self.group)
-
     def _entry(self, tokens: Any, length: int) -> Any:
         """This group's input for a step: the tokens (first group; after the prompt, the id
-        the last group sent back) or the previous group's activation."""
+        the last group sent back) or the previous group's activation, which rank 0 receives
+        and passes on to its group."""
         mx = self.mx
         if self.index == 0:
             return tokens
-        x = mx.zeros((1, length, self.shard.hidden_size), dtype=self.dtype)
-        if self.rank == 0:
-            assert self.hop is not None
-            header, payload = self.hop.recv()
-            if header.get("kind") != "activation" or header["shape"] != [1, length, self.shard.hidden_size]:
-                raise HopError(f"expected an activation [1, {length}, hidden], got {header}")
-            x = mx.array(_from_bytes(payload, header["shape"])).astype(self.dtype)
-        return self._share(x)
+        assert self.hop is not None
+        header, payload = self.hop.recv()
+        if header.get("kind") != "activation" or header["shape"] != [1, length, self.shard.hidden_size]:
+            raise HopError(f"expected an activation [1, {length}, hidden], got {header}")
+        return mx.array(_from_bytes(payload, header["shape"])).astype(self.dtype)
 
     def _next_token(self, token: int | None) -> int:
-        """The token every rank of every group goes on with: sampled by the last group, sent
-        back to the first (whose rank 0 shares it)."""
-        mx = self.mx
+        """The token every rank of every group goes on with: sampled by every rank of the
+        last group, sent back by its rank 0 to the first group's (which passes it on)."""
         last = self.index == self.count - 1
         if last and self.count > 1 and self.rank == 0:
             assert self.hop is not None and token is not None
             self.hop.send({"kind": "token", "nbytes": 4}, struct.pack("!i", token))
-        if self.index == 0 and self.count > 1:
-            got = 0
-            if self.rank == 0:
-                assert self.hop is not None
-                header, payload = self.hop.recv()
-                if header.get("kind") != "token":
-                    raise HopError(f"expected a token, got {header}")
-                (got,) = struct.unpack("!i", payload)
-            shared = self._share(mx.array([got], dtype=mx.int32))
-            return int(shared.item())
         if last:
             assert token is not None
             return token
+        if self.index == 0:
+            assert self.hop is not None
+            header, payload = self.hop.recv()
+            if header.get("kind") != "token":
+                raise HopError(f"expected a token, got {header}")
+            return int(struct.unpack("!i", payload)[0])
         return -1  # a middle group does not need the id: it waits for the next activation
 
     def generate(self, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
@@ -238,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="this group's place in the pipeline of groups")
     p.add_argument("--hop-listen", type=int, help="rank 0 of a chained group: the port the previous group connects to")
     p.add_argument("--hop-next", help="rank 0 of a chained group: HOST:PORT of the next group's rank 0 (the first group's, from the last)")
+    p.add_argument("--hop-fan", help="a chained group: HOST:PORT where its rank 0 listens for the group's other ranks")
     p.add_argument("--prompt-ids", required=True, help="JSON list of token ids")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--repeat", type=int, default=1, help="generate this many times (a benchmark's warm-up and runs)")
@@ -265,9 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"event": "error", "rank": rank, "code": getattr(e, "code", "model"), "message": str(e)}), flush=True)
         return 2
     hop = None
-    if count > 1 and rank == 0:
-        host, port = args.hop_next.rsplit(":", 1)
-        hop = Hop.open(args.hop_listen, (host, int(port)), deadline)
+    if count > 1:
+        fan_host, fan_port = args.hop_fan.rsplit(":", 1)
+        if rank == 0:
+            host, port = args.hop_next.rsplit(":", 1)
+            size = 1 if group is None else group.size()
+            hop = Hop.open_head(args.hop_listen, (host, int(port)), int(fan_port), size, deadline)
+        else:
+            hop = Hop.open_member((fan_host, int(fan_port)), deadline)
     runner = GroupRank(shard, group, rank, index, count, hop)
     runs = [runner.generate(json.loads(args.prompt_ids), args.max_tokens) for _ in range(args.repeat)]
     if group is not None and group.size() > 1:

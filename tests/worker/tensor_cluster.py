@@ -42,7 +42,7 @@ def run_plan(model: Path, groups: list[GroupPlan], prompt: list[int], max_tokens
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("MLX_RANK", None)
     env.pop("MLX_HOSTFILE", None)
-    total = sum(g.size for g in groups) + (len(groups) if len(groups) > 1 else 0)
+    total = sum(g.size for g in groups) + (2 * len(groups) if len(groups) > 1 else 0)
     ports = iter(range(free_port_run(total), 1 << 16))
     hostfiles = []
     for gi, g in enumerate(groups):
@@ -55,6 +55,7 @@ def run_plan(model: Path, groups: list[GroupPlan], prompt: list[int], max_tokens
         else:
             hostfiles.append(None)
     hop_ports = [next(ports) for _ in groups] if len(groups) > 1 else []
+    fan_ports = [next(ports) for _ in groups] if len(groups) > 1 else []
     procs: list[tuple[int, int, subprocess.Popen[bytes], Path]] = []
     try:
         for gi, g in enumerate(groups):
@@ -65,8 +66,10 @@ def run_plan(model: Path, groups: list[GroupPlan], prompt: list[int], max_tokens
                        "--timeout-s", str(timeout_s - 10)]
                 if g.shares is not None:
                     cmd += ["--shares", json.dumps(g.shares)]
-                if hop_ports and rank == 0:
-                    cmd += ["--hop-listen", str(hop_ports[gi]), "--hop-next", f"127.0.0.1:{hop_ports[(gi + 1) % len(groups)]}"]
+                if hop_ports:
+                    cmd += ["--hop-fan", f"127.0.0.1:{fan_ports[gi]}"]
+                    if rank == 0:
+                        cmd += ["--hop-listen", str(hop_ports[gi]), "--hop-next", f"127.0.0.1:{hop_ports[(gi + 1) % len(groups)]}"]
                 rank_env = dict(env)
                 if hostfiles[gi] is not None:
                     rank_env |= {"MLX_HOSTFILE": str(hostfiles[gi]), "MLX_RANK": str(rank)}
