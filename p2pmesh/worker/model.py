@@ -153,13 +153,14 @@ class Shard:
         return self._inner.embed_tokens.as_linear(h) if self.tied else self.model.lm_head(h)
 
 
-def load_shard(path: str | Path, start: int, end: int) -> Shard:
-    """Layers [start, end) of the model in `path` (a local directory: see resolve_model)."""
+def load_shard(path: str | Path, start: int, end: int, *, families: frozenset[str] = SUPPORTED_FAMILIES) -> Shard:
+    """Layers [start, end) of the model in `path` (a local directory: see resolve_model).
+    `families`: the model_types the caller runs (worker/tensor.py adds MoE families)."""
     path = Path(path)
     config = read_config(path)
     fam = family(config)
-    if fam not in SUPPORTED_FAMILIES:
-        raise UnsupportedModel(f"model_type {config['model_type']!r} is not supported (supported: {sorted(SUPPORTED_FAMILIES)})")
+    if fam not in families:
+        raise UnsupportedModel(f"model_type {config['model_type']!r} is not supported (supported: {sorted(families)})")
     if "quantization_config" in config and "quantization" not in config:
         raise UnsupportedModel("this checkpoint is quantized in a non-MLX format (quantization_config); convert it with mlx_lm.convert")
     model_class, args_class = _get_classes(config)
