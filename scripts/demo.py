@@ -35,6 +35,7 @@ import p2pmesh  # noqa: E402
 from p2pmesh.cli import local_cmd, model_cmd, terminal  # noqa: E402
 from p2pmesh.drivers.keys import write_key  # noqa: E402
 from p2pmesh.agent.models import copy_dir  # noqa: E402
+from p2pmesh.client import _diff  # noqa: E402 - watch's own diff, to resume a watch without losing a change
 
 DEFAULT_MODEL = ROOT / "scripts" / "demo_model"
 MODEL_NAME = "p2pmesh-demo-model"
@@ -46,6 +47,8 @@ CONTEXT_TOKENS = 512
 FORM_TIMEOUT_S = 60.0
 SERVE_TIMEOUT_S = 180.0
 KILL_AFTER_PIECES = 4
+WATCH_RESTARTS_MAX = 20
+"""Times the event watch starts again after a failed poll (bounded, as every loop)."""
 """The Mac is killed once this many text pieces of the second generation have arrived."""
 
 
@@ -100,17 +103,35 @@ def formed(cluster: Cluster, count: int) -> bool:
     return local_cmd.formed(statuses, count) and all(s is not None and s["healthy"] for s in statuses)
 
 
-def watch_events(socket: Path, con, stop: threading.Event) -> None:  # type: ignore[no-untyped-def]
-    """Print the cluster's events as they happen, from the demo's own client."""
-    try:
-        with p2pmesh.connect(socket) as c:
-            for event in c.watch(interval=0.2):
-                if stop.is_set():
-                    return
-                style = "red" if event.kind == p2pmesh.EventKind.MEMBER_DOWN else "cyan"
-                con.print(f"    [event] {event.detail}", style=style)
-    except p2pmesh.P2PMeshError:
-        return  # the watched agent went away: the demo says what happened itself
+def watch_events(socket: Path, con, stop: threading.Event, seen: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """Print the cluster's events as they happen, from the demo's own client. A poll that
+    fails on a loaded machine (the agent slow to answer) does not end the watch: it starts
+    again, first reporting what changed since the last status it saw. ``seen`` collects the
+    events' kinds for the summary."""
+    last: p2pmesh.Status | None = None
+
+    def show(event: p2pmesh.Event) -> None:
+        seen.append(event.kind.value)
+        style = "red" if event.kind == p2pmesh.EventKind.MEMBER_DOWN else "cyan"
+        con.print(f"    [event] {event.detail}", style=style)
+
+    for _ in range(WATCH_RESTARTS_MAX):
+        try:
+            with p2pmesh.connect(socket) as c:
+                if last is not None:
+                    for event in _diff(last, c.status()):
+                        show(event)
+                for event in c.watch(interval=0.2):
+                    if stop.is_set():
+                        return
+                    last = event.status
+                    show(event)
+        except p2pmesh.AgentNotRunning:
+            return  # the watched agent went away: the demo says what happened itself
+        except p2pmesh.P2PMeshError:
+            if stop.is_set():
+                return
+            time.sleep(0.2)
 
 
 def main() -> int:
@@ -139,6 +160,7 @@ def main() -> int:
     nodes = [replace(n, argv=(*n.argv, "--model-root", str(root / f"mac{n.index}"))) for n in nodes]
     cluster = Cluster(root, nodes)
     stop_watch = threading.Event()
+    seen: list[str] = []
     try:
         con.rule("1. Three agents on this computer")
         con.print(f"Each agent is a Mac of its own (loopback addresses 127.0.0.2-4), offering {limit / 1e6:.1f} MB for layers.")
@@ -168,7 +190,7 @@ def main() -> int:
         status = client.status()
         victim = next(i for i in range(1, AGENTS)
                       if any(s.node_id == _node_id(cluster, i) for s in status.placement.stages))  # type: ignore[union-attr]
-        watcher = threading.Thread(target=watch_events, args=(cluster.socket(0), con, stop_watch), daemon=True)
+        watcher = threading.Thread(target=watch_events, args=(cluster.socket(0), con, stop_watch, seen), daemon=True)
         watcher.start()
         time.sleep(0.5)
         con.print(f"generating again; agent {victim} ({_node_id(cluster, victim)[:8]}) will be killed (SIGKILL) "
@@ -186,6 +208,8 @@ def main() -> int:
         third = _generate(con, client, a.prompt, a.max_tokens)
         _verdict(con, first, third, "the generation after the rejoin")
         resumed = client.status().requests_resumed
+        con.print("events seen while the Mac was away and back: " + ", ".join(
+            f"{kind} x{seen.count(kind)}" for kind in dict.fromkeys(seen)))
         con.rule("done")
         con.print(f"{loaded.name}: served by {AGENTS} agents, one killed and restarted; {resumed} request(s) resumed "
                   "on a new placement; every generation identical.", style="green")
