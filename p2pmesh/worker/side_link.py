@@ -78,9 +78,12 @@ def recv_message(s: socket.socket, kind: int, who: str) -> tuple[bytes, bytes]:
     """(envelope, payload) of the next message, which must be of `kind`."""
     env = read_exact(s, ENVELOPE.size, who)
     magic, got, length = ENVELOPE.unpack(env)
-    if magic != SIDE_MAGIC or got != kind or length > MAX_MESSAGE:
-        raise SideError(f"side channel: {who} sent magic {magic:#x}, kind {got}, {length} bytes; "
-                        f"expected magic {SIDE_MAGIC:#x}, kind {kind}, at most {MAX_MESSAGE} bytes")
+    if magic != SIDE_MAGIC:
+        raise SideError(f"side channel: {who} sent magic {magic:#x}, not {SIDE_MAGIC:#x}: not a p2pmesh side message")
+    if got != kind:
+        raise SideError(f"side channel: {who} sent a message of kind {got}, expected {kind}: ranks out of sync")
+    if length > MAX_MESSAGE:
+        raise SideError(f"side channel: {who} announces {length} bytes, more than {MAX_MESSAGE}")
     return env, read_exact(s, length, who)
 
 
