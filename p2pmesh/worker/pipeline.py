@@ -31,6 +31,13 @@ When any row samples, the last rank sends int32[number of sampled rows] to rank 
 SHUTDOWN goes once around the ring (0 -> 1 -> ... -> n-1 -> 0), so when rank 0 gets it
 back every rank has left its loop; then all drain (synchronize, barrier all_sum) and exit.
 
+Tensor plans (worker/side_link.py). The stages are then tensor groups; a `SideLink` (TCP)
+takes the place of `Link` between the groups' first ranks (heads), with the same frames.
+Every step a head runs goes first, as a frame, to the other ranks of its group (rank 0
+sends its token ids, dtype code DTYPE_IDS, [R, L]; another head passes on the frame it
+received), which run it in the same order on their share (`serve_member`): the sharded
+layers all-sum over the group. Only the head passes the result on.
+
 Caches. Every stage keeps, per request, its own KV caches while it prefills (`solo`), and
 one batched cache per decode group (mlx-lm's BatchKVCache: left-padded rows; a group that
 has only ever had one request keeps that request's plain caches). A DECODE
@@ -160,14 +167,17 @@ def _signed(x: int) -> int:
     return x - (1 << 32) if x >= 1 << 31 else x
 
 
-def encode_frame(h: Header, rows: Sequence[WireRow] = (), x: mx.array | None = None) -> mx.array:
+def encode_frame(h: Header, rows: Sequence[WireRow] = (), x: mx.array | None = None, pad_to: int = 0) -> mx.array:
     """A step as bytes (uint8): the header, with its payload size, then the rows and the
-    activation (or token ids); no padding."""
+    activation (or token ids), zero-padded up to `pad_to` bytes if it is shorter."""
     parts = [encode_rows(rows).view(mx.uint8)] if rows else []
     if x is not None:
         parts.append(x.reshape(-1).view(mx.uint8))
     payload = sum(p.size for p in parts)
     head = Header(h.op, h.rows, h.length, h.dtype, h.group, payload).encode().view(mx.uint8)
+    pad = pad_to - HEADER_BYTES - payload
+    if pad > 0:
+        parts.append(mx.zeros((pad,), mx.uint8))
     return mx.concatenate([head, *parts]) if parts else head
 
 
@@ -231,11 +241,8 @@ class Link:
 
     def send_frame(self, h: Header, rows: Sequence[WireRow] = (), x: mx.array | None = None) -> None:
         """One step to the right neighbour: a frame, and the rest of its payload if any."""
-        body = encode_frame(h, rows, x)
-        pad = self.frame - body.size
-        if pad > 0:
-            body = mx.concatenate([body, mx.zeros((pad,), mx.uint8)])
-        if pad >= 0:
+        body = encode_frame(h, rows, x, self.frame)
+        if body.size == self.frame:
             self.send(body)
         else:
             self.send(body[: self.frame])

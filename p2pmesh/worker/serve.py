@@ -1,4 +1,5 @@
-"""A pipeline worker: `python -m p2pmesh.worker.serve --model M --stages '[[0,3],[3,8]]' --rank R`.
+"""A pipeline worker: `python -m p2pmesh.worker.serve --model M --stages '[[0,3],[3,8]]' --rank R`
+(and tensor groups chained as a pipeline: --group-sizes, below).
 
 One process per rank of the committed ring. With two or more stages the agent sets
 MLX_RANK (= --rank) and MLX_HOSTFILE (core/mlx_hostfile.py) exactly as for ring_check, and
@@ -8,6 +9,16 @@ prints "ready", then rank 0 reads commands from stdin and streams tokens to stdo
 the other ranks run their stage for every step rank 0 sends (worker/pipeline.py). Rank 0
 serves up to --max-batch requests at once (continuous batching, worker/scheduler.py) and
 queues --max-queue more; beyond that a request is refused with a "busy" error.
+
+Tensor groups and hybrids (issue 16): `--group-sizes [2, 2]` makes consecutive ranks one
+tensor group each (all of a group hold the same --stages range, split by --shares or evenly:
+worker/tensor.py). Then each group of two or more is its own MLX group (MLX_RANK = the
+rank's index in its group, MLX_HOSTFILE that group's), a group of one forms none, and
+the steps travel over the side channel (worker/side_link.py: --side-listen on each group's
+first rank, --side-next between those, --side-head for the others): rank 0 still reads
+stdin and runs the Engine; every group's first rank sends each step to its group first,
+and the others run it in lockstep (pipeline.serve_member). worker/group_plan.py parses
+and checks the plan. Without --group-sizes (or all ones) nothing of this runs.
 
 The JSON-lines protocol is in worker/protocol.py and docs/inference.md. In short:
   stdout, every rank: ready, heartbeat (every 0.5 s from a thread), error;

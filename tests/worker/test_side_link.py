@@ -39,9 +39,10 @@ def open_all(sizes: list[int], stray: bool = False) -> list[Side]:
             out[rank] = e
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(len(stages))]
-    for t in threads:
-        t.start()
-    if stray:  # dials group 0's head first and says nothing useful
+    for r, t in enumerate(threads):
+        if not (stray and r == 1):
+            t.start()
+    if stray:  # dials group 0's head while it still waits for rank 1, and says nothing useful
         s = connect_retry(("127.0.0.1", base), time.monotonic() + 10, "group 0's head")
         s.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(64))
         s.settimeout(10)
@@ -50,6 +51,7 @@ def open_all(sizes: list[int], stray: bool = False) -> list[Side]:
         except ConnectionResetError:  # closed with our bytes unread
             pass
         s.close()
+        threads[1].start()
     for t in threads:
         t.join(30)
     assert all(isinstance(s, Side) for s in out), out

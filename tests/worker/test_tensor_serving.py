@@ -6,7 +6,7 @@
 - 2-rank tensor, for llama, qwen3 and qwen3_moe: greedy tokens equal mlx-lm's, and two
   requests at once (one batch) get the tokens each gets alone; shutdown exits 0 everywhere.
 - 3-rank tensor with uneven shares (heads 6/4/2: worker/tensor.py's own sharding).
-- a 2x2 hybrid and a [1, 2] mixed plan: the same tokens, batched too.
+- a 2x2 hybrid and a [1, 2] mixed plan: the same tokens, batched too; idle, no rank spins a core.
 - bad --group-sizes / --shares / stages / side options: exit 2 with an `unusable` event.
 - a member SIGKILLed mid-generation: rank 0 reports the request as pipeline_broken, and
   every survivor exits non-zero within a bounded time.
@@ -33,6 +33,7 @@ from tests.worker.test_tensor import LAYERS, make_model
 from tests.worker.worker_cluster import ROOT, Cluster
 
 MAX_TOKENS = 8
+IDLE_S = 1.5
 PROMPTS = ["Once upon a time there was", "The quick brown fox jumps over the lazy dog and the"]
 
 
@@ -79,6 +80,11 @@ def serve_and_compare(model: Path, ids: list[list[int]], refs: list[list[int]], 
         for i, ref in enumerate(refs):
             assert final_of(events, f"both{i}")["event"] == "done"
             assert tokens_of(events, f"both{i}") == ref, (i, cluster.stderrs())
+        before = cluster.cpu_s()
+        time.sleep(IDLE_S)
+        after = cluster.cpu_s()
+        if before is not None and after is not None:  # Linux's /proc: idle ranks wait in the kernel, no core spins
+            assert all(b - a < IDLE_S / 3 for a, b in zip(before, after)), (before, after)
         assert cluster.shutdown() == [0] * len(stages), cluster.stderrs()
         assert all(n >= 1 for n in cluster.heartbeats), cluster.heartbeats
     finally:
