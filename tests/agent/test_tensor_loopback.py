@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.agent.harness import AgentProc, ROOT, one_cluster, make_model, wait_for
+from tests.agent.harness import AgentProc, ROOT, formed_cluster, make_model, wait_for
 from tests.agent.test_inference_loopback import CONTEXT, PROMPT, _agents, _generate, _references
 
 FORM_TIMEOUT_S = 40
@@ -83,15 +83,8 @@ def _worker_pids(agent: AgentProc, rank: int) -> list[int]:
 
 @pytest.fixture
 def two_agents(tmp_path: Path, shaped_model: Path) -> Any:
-    agents = _agents(tmp_path, 2, [1 << 32] * 2)
-    for a in agents:
-        a.start()
-    try:
-        wait_for(lambda: one_cluster(agents, 2), FORM_TIMEOUT_S, "one cluster of 2")
+    with formed_cluster(_agents(tmp_path, 2, [1 << 32] * 2), FORM_TIMEOUT_S) as agents:
         yield agents
-    finally:
-        for a in agents:
-            a.stop()
 
 
 def test_a_bad_parallelism_is_refused_before_anything_is_committed(two_agents: list[AgentProc], tmp_path: Path,
