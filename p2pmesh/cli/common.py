@@ -43,6 +43,19 @@ def socket_of(args: argparse.Namespace) -> Path | None:
     return None
 
 
+class Refused(Exception):
+    """Stop a command with this message and exit code (the message says whose fault it is):
+    raised where the command finds the problem, said once where the command catches it."""
+
+    code = EXIT_UNAVAILABLE
+    """The exit code when the raiser names none (a command's subclass may set its own)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
 def failed(message: object, code: int) -> int:
     """Say what went wrong on stderr, the CLI's way (`p2pmesh: ...`), and return `code`."""
     print(f"p2pmesh: {message}", file=sys.stderr)

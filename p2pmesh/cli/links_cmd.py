@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from p2pmesh.cli.common import Refused, failed
 from p2pmesh.core.addressing import (
     AddressingError,
     Assignment,
@@ -174,12 +175,10 @@ def _parse(args: argparse.Namespace) -> int:
 # links plan / links apply
 
 
-class _Refused(Exception):
-    """Stop with this message and exit code (the message says whose fault it is)."""
+class _Refused(Refused):
+    """links plan/apply refuse mostly over their input (the status, the flags): bad usage."""
 
-    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
-        super().__init__(message)
-        self.code = code
+    code = EXIT_USAGE
 
 
 @dataclass(frozen=True)
@@ -352,6 +351,5 @@ def _plan_or_apply(args: argparse.Namespace) -> int:
             raise _Refused("not applying: the plan clashes with this Mac's own addresses (see the warnings)")
         _confirm(len(plan.commands), args.yes)
     except _Refused as exc:
-        print(f"p2pmesh: {exc}", file=sys.stderr)
-        return exc.code
+        return failed(exc, exc.code)
     return _apply(plan.commands)

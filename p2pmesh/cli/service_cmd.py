@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from p2pmesh.cli import agent_cmd
+from p2pmesh.cli.common import Refused, failed
 from p2pmesh.platform.service_unit import (
     DEFAULT_LABEL,
     STOP_TIMEOUT_S,
@@ -63,14 +64,6 @@ _LAUNCHD_NOT_FOUND = 113  # `launchctl print`: "Could not find service ... in do
 _STATE_DIR_PROBE = "/p2pmesh-service-state-dir-probe"
 
 
-class _Refused(Exception):
-    """Stop with this message and exit code (the message says whose fault it is)."""
-
-    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 @dataclass(frozen=True)
 class Host:
     """The facts about this computer the service depends on (tests build their own)."""
@@ -88,13 +81,13 @@ class Host:
         elif sys.platform.startswith("linux"):
             platform = "linux"
         else:
-            raise _Refused(f"a login service is supported on macOS (launchd) and Linux (systemd), not {sys.platform}")
+            raise Refused(f"a login service is supported on macOS (launchd) and Linux (systemd), not {sys.platform}")
         home = Path.home()
         xdg = os.environ.get("XDG_CONFIG_HOME", "")
         # The XDG spec says a relative value is invalid and must be ignored; systemd agrees.
         config_home = Path(xdg) if xdg.startswith("/") else home / ".config"
         if not sys.executable:
-            raise _Refused("cannot tell which Python runs p2pmesh (sys.executable is empty)")
+            raise Refused("cannot tell which Python runs p2pmesh (sys.executable is empty)")
         return cls(platform, home, os.getuid(), config_home, os.path.abspath(sys.executable))
 
     @property
@@ -150,13 +143,12 @@ def run(args: argparse.Namespace, host: Host | None = None) -> int:
         if args.service_command == "status":
             return _status(args, host)
         if os.environ.get("SUDO_USER") and os.geteuid() == 0 and not args.dry_run:
-            raise _Refused("the agent runs as a login service of your own user: run this without sudo", EXIT_USAGE)
+            raise Refused("the agent runs as a login service of your own user: run this without sudo", EXIT_USAGE)
         if args.service_command == "install":
             return _install(args, host)
         return _uninstall(args, host)
-    except _Refused as exc:
-        print(f"p2pmesh: {exc}", file=sys.stderr)
-        return exc.code
+    except Refused as exc:
+        return failed(exc, exc.code)
 
 
 # ---------------------------------------------------------------------------------------
@@ -204,17 +196,17 @@ def _hint(host: Host, ran: _Ran) -> str:
     return ""
 
 
-def _fail(host: Host, ran: _Ran, steps: list[list[str]], *, wrote: Path | None, note: str = "") -> _Refused:
+def _fail(host: Host, ran: _Ran, steps: list[list[str]], *, wrote: Path | None, note: str = "") -> Refused:
     """The error for a failed manager call: what ran, what it said, and what to run by hand."""
     hint = _hint(host, ran)
     lines = [ran.describe(), *([hint] if hint else []),
              f"{wrote} is written; to finish, run:" if wrote else "to finish, run:",
              *(f"  {shlex.join(step)}" for step in steps), *([note] if note else [])]
-    return _Refused("\n".join(lines))
+    return Refused("\n".join(lines))
 
 
 def _launchd_loaded(host: Host, steps_by_hand: list[list[str]], *, wrote: Path | None) -> bool:
-    """Whether launchd knows the job; a launchctl that cannot answer raises _Refused."""
+    """Whether launchd knows the job; a launchctl that cannot answer raises Refused."""
     ran = _run(["launchctl", "print", host.launchd_target])
     if ran.ok:
         return True
@@ -283,16 +275,16 @@ def _agent_args(extra: list[str]) -> tuple[str, ...]:
     try:
         parsed, unknown = parser.parse_known_args(["agent", "--state-dir", _STATE_DIR_PROBE, *extra])
     except SystemExit as exc:  # argparse has printed the problem (or the agent's --help)
-        raise _Refused("nothing was installed" if exc.code == 0 else
+        raise Refused("nothing was installed" if exc.code == 0 else
                        "the arguments after `--` must be `p2pmesh agent` options; nothing was installed",
                        EXIT_USAGE) from None
     if unknown:
-        raise _Refused(f"not `p2pmesh agent` options: {shlex.join(unknown)} (see `p2pmesh agent --help`)",
+        raise Refused(f"not `p2pmesh agent` options: {shlex.join(unknown)} (see `p2pmesh agent --help`)",
                        EXIT_USAGE)
     if parsed.state_dir != Path(_STATE_DIR_PROBE):
-        raise _Refused("give the state directory as `service install --state-dir DIR`, before `--`", EXIT_USAGE)
+        raise Refused("give the state directory as `service install --state-dir DIR`, before `--`", EXIT_USAGE)
     if parsed.cluster_key_file is not None and not parsed.cluster_key_file.is_absolute():
-        raise _Refused(f"--cluster-key-file {parsed.cluster_key_file} must be an absolute path: the service "
+        raise Refused(f"--cluster-key-file {parsed.cluster_key_file} must be an absolute path: the service "
                        "does not start in this directory", EXIT_USAGE)
     if not parsed.no_http:
         from p2pmesh.agent import http as http_api
@@ -302,7 +294,7 @@ def _agent_args(extra: list[str]) -> tuple[str, ...]:
         except http_api.HttpConfigError as exc:
             # The service does not inherit this shell's environment, so $P2PMESH_HTTP_TOKEN
             # does not count here.
-            raise _Refused(f"{exc} (the service does not see this shell's ${http_api.TOKEN_ENV}: "
+            raise Refused(f"{exc} (the service does not see this shell's ${http_api.TOKEN_ENV}: "
                            "pass --http-token after `--`)", EXIT_USAGE) from None
     return tuple(extra)
 
@@ -317,7 +309,7 @@ def _spec(args: argparse.Namespace, host: Host) -> ServiceSpec:
                            log_path=str(log) if log is not None else None,
                            environment=default_environment(host.python))
     except ServiceSpecError as exc:
-        raise _Refused(str(exc), EXIT_USAGE) from None
+        raise Refused(str(exc), EXIT_USAGE) from None
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -347,7 +339,7 @@ def _install(args: argparse.Namespace, host: Host) -> int:
     try:
         content = launchd_plist(spec) if host.platform == "darwin" else systemd_unit(spec).encode("utf-8")
     except ServiceSpecError as exc:
-        raise _Refused(str(exc), EXIT_USAGE) from None
+        raise Refused(str(exc), EXIT_USAGE) from None
     path = host.unit_path
     if args.dry_run:
         print(f"would write {path}:")
@@ -365,7 +357,7 @@ def _install(args: argparse.Namespace, host: Host) -> int:
             host.log_path.parent.mkdir(parents=True, exist_ok=True)  # launchd does not create it
         _write_atomically(path, content)
     except OSError as exc:
-        raise _Refused(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise Refused(f"cannot write {path}: {exc.strerror or exc}") from None
     print(f"wrote {path}")
     if args.no_start:
         print("not started (--no-start); to start it now:")
@@ -407,7 +399,7 @@ def _uninstall(args: argparse.Namespace, host: Host) -> int:
         if not stopped:
             return EXIT_OK  # nothing changed, so systemd has nothing to reload
     except OSError as exc:
-        raise _Refused(f"cannot remove {path}: {exc.strerror or exc}") from None
+        raise Refused(f"cannot remove {path}: {exc.strerror or exc}") from None
     if not args.no_start:
         for step in after:
             ran = _run(step)

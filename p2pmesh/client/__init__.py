@@ -19,6 +19,7 @@ still is, from here.
 """
 from __future__ import annotations
 
+from p2pmesh.client import errors as _errors
 from p2pmesh.client.api import AsyncClient, AsyncGeneration, Client, Generation, connect, open_client
 from p2pmesh.client.chat import chat_prompt as _chat_prompt
 from p2pmesh.client.chat import check_messages as _check_messages
@@ -26,19 +27,7 @@ from p2pmesh.client.chat import fallback_chat_prompt
 from p2pmesh.client.chat import model_directory as _model_directory
 from p2pmesh.client.drivers import SOCKET_ENV, SOCKET_NAME, locate_socket
 from p2pmesh.client.embedded import Agent
-from p2pmesh.client.errors import (
-    AgentError,
-    AgentNotRunning,
-    AgentTimeout,
-    BadRequest,
-    Busy,
-    ModelCannotLoad,
-    ModelDoesNotFit,
-    ModelNotLoaded,
-    ModelRefused,
-    NoQuorum,
-    P2PMeshError,
-)
+from p2pmesh.client.errors import *  # noqa: F403 - every typed error, listed once (errors.__all__)
 from p2pmesh.client.events import diff as _diff
 from p2pmesh.client.plans import (
     DEFAULT_CONTEXT_TOKENS,
@@ -75,15 +64,11 @@ from p2pmesh.core.errors import MeshError
 from p2pmesh.core.fit import PlacementProblem
 from p2pmesh.core.protocol import refused as _refused
 
-__all__ = [
+__all__ = sorted([
+    *_errors.__all__,
     "Agent",
-    "AgentError",
-    "AgentNotRunning",
-    "AgentTimeout",
     "AsyncClient",
     "AsyncGeneration",
-    "BadRequest",
-    "Busy",
     "Client",
     "Event",
     "EventKind",
@@ -94,13 +79,7 @@ __all__ = [
     "LoadProgress",
     "LoadedModel",
     "Member",
-    "ModelCannotLoad",
-    "ModelDoesNotFit",
     "ModelInfo",
-    "ModelNotLoaded",
-    "ModelRefused",
-    "NoQuorum",
-    "P2PMeshError",
     "PendingPlacement",
     "Placement",
     "PlacementProblem",
@@ -113,7 +92,7 @@ __all__ = [
     "connect",
     "fallback_chat_prompt",
     "open_client",
-]
+])
 
 # Not in __all__ (not the documented API) but importable as before: the CLI and tests use them.
 _ALSO = (DEFAULT_CONTEXT_TOKENS, LINE_BYTES_MAX, LOAD_TIMEOUT_S, MODEL_RESEND_S, MODEL_TIMEOUT_S, POLL_S,

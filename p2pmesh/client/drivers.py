@@ -112,6 +112,11 @@ class _Connections(Generic[C]):
     def _shut(self, conn: C) -> None:
         raise NotImplementedError
 
+    def _opened(self, conn: C) -> C:
+        """Keep a connection the plan just opened, to close it when the plan ends."""
+        self.conns.append(conn)
+        return conn
+
     def _close(self, conn: C) -> None:
         self._shut(conn)
         if conn in self.conns:
@@ -156,11 +161,9 @@ class SyncDriver(_Connections[stdsocket.socket]):
             except OSError as exc:
                 s.close()
                 raise not_running(self.path, self.how, exc) from None
-            self.conns.append(s)
-            return s
+            return self._opened(s)
         if isinstance(step, Close):
-            self._close(step.conn)
-            return None
+            return self._close(step.conn)
         if isinstance(step, Sleep):
             time.sleep(step.seconds)
             return None
@@ -229,11 +232,9 @@ class AsyncDriver(_Connections[trio.SocketStream]):
                 stream = await trio.open_unix_socket(str(self.path))
             except OSError as exc:
                 raise not_running(self.path, self.how, exc) from None
-            self.conns.append(stream)
-            return stream
+            return self._opened(stream)
         if isinstance(step, Close):
-            self._close(step.conn)
-            return None
+            return self._close(step.conn)
         if isinstance(step, Sleep):
             await trio.sleep(step.seconds)
             return None

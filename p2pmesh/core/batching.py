@@ -55,7 +55,8 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class PrefillStep:
-    """A chunk of one request's prompt; `first`: its caches start empty."""
+    """A chunk of at most ``prefill_chunk`` tokens of one request's prompt (its last chunk's
+    row is sampled: the first token); `first`: its caches start empty."""
 
     row: Row
     first: bool
@@ -66,6 +67,8 @@ class DecodeStep:
     """One token for each request of a decode group, in the group's order."""
 
     group: int
+    """The decode group's index: a group has at most one step in flight, so its requests
+    advance in lockstep while the other groups' steps fill the pipeline's other stages."""
     rows: tuple[Row, ...]
 
 
@@ -81,16 +84,23 @@ Step = PrefillStep | DecodeStep | ReleaseStep
 
 @dataclass(frozen=True, slots=True)
 class Token:
+    """A request's next generated token, for the worker to stream."""
+
     rid: str
     token: int
     first: bool
+    """The request's first token (sampled at the end of its prefill): time to first token
+    ends here."""
 
 
 @dataclass(frozen=True, slots=True)
 class Finished:
+    """A request's end: ``tokens`` generated in all (an EOS token is not counted, nor
+    streamed) and ``finish``: "stop" (EOS), "length" (max_new reached) or "cancelled"."""
+
     rid: str
     tokens: int
-    finish: str  # "stop" | "length" | "cancelled"
+    finish: str
 
 
 Outcome = Token | Finished
@@ -102,6 +112,8 @@ class Request:
 
     rid: str
     no: int
+    """Its number in this worker (``Row.no``): what the stages key its caches by, unique
+    for the worker's life, while ``rid`` is the client's name for it."""
     prompt: tuple[int, ...]
     max_new: int
     sampling: Sampling
@@ -109,8 +121,11 @@ class Request:
     prefilled: int = 0
     generated: int = 0
     last: int = -1
+    """The last sampled token (-1: none yet): the input of its next decode step."""
     group: int | None = None
     in_flight: int = 0
+    """Its steps planned but not yet completed: its slot and caches are freed only at 0,
+    when no stage may still hold a row of it."""
     cancelled: bool = False
     phase: str = PREFILL
 

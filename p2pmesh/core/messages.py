@@ -67,6 +67,9 @@ class LinkProbe:
     peer: NodeId
     rtt_ms: float
     gbps: float
+    echo_rtt_ms: float = 0.0
+    """The round trip of an activation-sized message (drivers/probe.py's echo phase), what
+    a pipeline hop or an all-reduce step pays; 0.0 when the peer's agent does not echo."""
 
 
 @register(7)

@@ -44,7 +44,8 @@ UNFORMED, MEMBER, LEFT = Mode.UNFORMED, Mode.MEMBER, Mode.LEFT
 
 @dataclass(frozen=True, slots=True)
 class FrameReceived:
-    """A frame arrived over a connection authenticated as ``peer``."""
+    """A frame arrived over a connection authenticated as ``peer``; ``data`` is still
+    encoded: the core decodes it (core/wire.py) and counts a malformed one as rejected."""
 
     peer: NodeId
     data: bytes
@@ -63,6 +64,9 @@ class MessageReceived:
 
 @dataclass(frozen=True, slots=True)
 class PeerDiscovered:
+    """Discovery found a peer, or new addresses of one: an unknown peer is greeted (Hello),
+    a known one's addresses are replaced."""
+
     node_id: NodeId
     addresses: tuple[str, ...]
 
@@ -74,7 +78,8 @@ class PeerVanished:
 
 @dataclass(frozen=True, slots=True)
 class TimerFired:
-    pass
+    """The machine's next deadline (``next_deadline_ms``) passed, or the driver wants it to
+    look at the time now: elections, heartbeats, hellos and retries are all due from here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +89,16 @@ class ProposalRequested:
 
 @dataclass(frozen=True, slots=True)
 class ReadRequested:
+    """A linearizable read (Raft's ReadIndex): its answer comes back in a Ready's ``reads``
+    as (``ctx``, whether it may be served), after what this node applied."""
+
     ctx: int
 
 
 @dataclass(frozen=True, slots=True)
 class LeaveRequested:
-    pass
+    """The user asked this node to leave its cluster: a node holding model layers first
+    waits for a placement without it (make before break), then leaves."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +141,8 @@ class WorkerLoaded:
 
 @dataclass(frozen=True, slots=True)
 class StageFilesFetched:
-    """The model files of this node's stage in data-plane ``epoch`` are on its disk."""
+    """The model files of this node's stage in data-plane ``epoch`` are on its disk (the
+    agent's fetch, core/stage_fetch.py): published, so the leader sees the stage can load."""
 
     epoch: int
 
@@ -143,6 +153,8 @@ class GenerateRequested:
 
     req: str
     params: GenerateParams
+    """Already checked against core/protocol.py's limits by the agent (at the edge, once),
+    so the core takes them as they are."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +171,19 @@ class WorkerOutput:
     epoch: int
     req: str
     tokens: tuple[int, ...]
+    """The tokens generated since its last output: one per output while it streams, none
+    with the end (``done``)."""
     text: str
     done: bool
     finish: str
+    """"" while it streams; with the end: stop, length or error (then ``text`` says why and
+    ``code`` names it)."""
     prompt_tokens: tuple[int, ...]
+    """The prompt as the worker tokenized it (with its first output only, else empty):
+    passed on to the origin, so that a resume needs no tokenizer."""
     attempt: int = 0
+    """The attempt the worker serves (the "@N" of its request id): the router drops the
+    output of any attempt but the one it serves now."""
     broken: bool = False
     """The worker's pipeline failed under the request (a peer lost): the epoch's fault, not the
     request's, so it resumes on the next epoch. Only an error the worker blames on the request

@@ -122,18 +122,22 @@ def _lan_rank(c: Cable) -> tuple[int, float, str, str]:
 
 
 def _with_probes(c: Cable, by_id: dict[NodeId, Member]) -> Cable:
-    """Attach the probe results either end measured over this cable (the best of both)."""
-    rtts: list[float] = []
+    """Attach the probe results either end measured over this cable (the best of both). The
+    cable's latency is the round trip of an activation-sized message where a probe measured
+    one (what the data plane pays per hop and per all-reduce step), else of a ping."""
+    pings: list[float] = []
+    echoes: list[float] = []
     rates: list[float] = []
     for node, other in ((c.a, c.b), (c.b, c.a)):
         port = c.end(node)
         for probe in by_id[node].probes:
             if probe.peer == other and (port is None or probe.interface == port.interface):
-                rtts.append(probe.rtt_ms)
+                pings.append(probe.rtt_ms)
+                echoes += [probe.echo_rtt_ms] if probe.echo_rtt_ms > 0 else []
                 rates.append(probe.gbps)
-    if not rtts:
+    if not pings:
         return c
-    return Cable(c.a, c.b, c.kind, c.gbps, c.a_port, c.b_port, min(rtts), max(rates))
+    return Cable(c.a, c.b, c.kind, c.gbps, c.a_port, c.b_port, min(echoes or pings), max(rates))
 
 
 def common_subnet(left: tuple[str, ...], right: tuple[str, ...]) -> tuple[str, str] | None:

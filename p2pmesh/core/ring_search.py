@@ -66,6 +66,8 @@ class Pair:
     """One usable hop between two node indices, as the search sees it."""
 
     slow: int
+    """1 for a slow hop (anything but Thunderbolt), 0 otherwise: a number, so that the
+    slow hops of a prefix are a sum like its latency."""
     gbps: float
     lat: int
 

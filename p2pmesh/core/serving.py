@@ -59,6 +59,8 @@ ROUTED = (InferRequest, InferTokens, InferCancel, LoadReport)
 @dataclass(frozen=True, slots=True)
 class GenerateParams:
     prompt: str | None
+    """The prompt as text, for the head to tokenize; None when ``prompt_tokens`` carry it
+    (tokenized by the client, or a resume: the prompt's tokens plus every one generated)."""
     prompt_tokens: tuple[int, ...]
     max_tokens: int
     temperature: float
@@ -109,6 +111,9 @@ class ClientEvent:
 
 @dataclass(slots=True)
 class _Origin:
+    """A request this node's client asked for (this node is its origin): what was asked,
+    what the client has received, and which head's attempt it waits on now."""
+
     params: GenerateParams
     started_ms: int
     progress_ms: int
@@ -135,11 +140,18 @@ class _Origin:
 
 @dataclass(slots=True)
 class _Served:
+    """A request this node serves as the head, for its origin: the one attempt it runs (a
+    newer attempt replaces it), and how far that attempt's stream went."""
+
     origin: NodeId
     epoch: int
     request: InferRequest
     submitted: bool = False
+    """Handed to the local head worker (a WorkerSubmit went out): a cancel or a newer attempt
+    must free its slot there (WorkerCancel)."""
     sent: int = 0
+    """Tokens of this attempt sent to the origin so far: the ``seq`` of the next reply, by
+    which the origin detects a frame the transport dropped."""
     told_ms: int | None = None
     """When the origin was last sent a frame of this request; None: beacon at the next tick."""
 

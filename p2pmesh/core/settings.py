@@ -17,6 +17,8 @@ class Settings:
     election_max_ms: int = 300
     entries_per_append_max: int = 64
     inflight_appends_max: int = 4
+    """AppendEntries a leader has unanswered toward one follower at most (heartbeats aside):
+    with ``entries_per_append_max``, what a slow follower can have in flight."""
     snapshot_every_entries: int = 512
     """Compact the log once this many applied entries sit after the last snapshot."""
     hello_ms: int = 200

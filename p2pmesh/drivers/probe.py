@@ -6,8 +6,13 @@ protocol, all over mutually authenticated TLS 1.3 from tls.py, so only cluster m
 probe or be probed and the prober knows which node answered. The protocol, after the
 handshake (all integers big-endian):
 
-    client -> server  header: magic b"P2PP", version (1 byte), pings (2), bulk bytes (4)
+    client -> server  header: magic b"P2PP", version (1 byte), pings (2), bulk bytes (4),
+                      then (version 2) echo bytes (4)
     pings times:      client sends an 8-byte sequence number, server echoes it
+    pings times (v2): client sends echo-bytes bytes, server echoes them: the round trip of
+                      a message the size of one activation, which is what a pipeline hop
+                      and each step of a tensor group's all-reduce pay (an 8-byte ping
+                      shows the wire's latency, not that)
     client -> server  bulk bytes of payload; server reads and discards them
     server -> client  ack: the 8-byte count of bulk bytes received
 
@@ -33,9 +38,14 @@ from p2pmesh.drivers.transport import HANDSHAKE_TIMEOUT_S
 log = logging.getLogger("p2pmesh.probe")
 
 MAGIC = b"P2PP"
-VERSION = 1
+VERSION = 2
+VERSIONS = (1, 2)
+"""Version 1 (no echo phase) is still answered: an agent of the previous release probes."""
 PINGS_MAX = 32
 BULK_BYTES_MAX = 8 << 20
+ECHO_BYTES_MAX = 256 << 10
+ECHO_BYTES_DEFAULT = 16 << 10
+"""The hidden state of one token of a 70B model in bf16 (8192 x 2 bytes)."""
 SESSIONS_MAX = 4
 """Probes are occasional; a handful at once is plenty, and a flood of connections beyond it
 is closed at once instead of queueing work."""
@@ -43,6 +53,7 @@ SESSION_DEADLINE_S = 10.0
 """Covers handshake, pings and bulk: a slow or stalled client cannot hold a slot longer."""
 _CHUNK = 64 << 10
 _HEADER = struct.Struct(">4sBHI")
+_ECHO = struct.Struct(">I")
 _PING = struct.Struct(">Q")
 _ACK = struct.Struct(">Q")
 _ZEROS = bytes(_CHUNK)  # TLS 1.3 has no compression, so zeros measure the link like any bytes
@@ -59,6 +70,9 @@ class ProbeResult:
     figure only roughly separates 10 Gb/s from 40 Gb/s links; it is informational."""
     pings: int
     bulk_bytes: int
+    echo_rtt_ms: float = 0.0
+    """Median round trip of ``echo_bytes`` each way (0.0: not measured)."""
+    echo_bytes: int = 0
 
 
 class ProbeError(MeshError):
@@ -143,12 +157,15 @@ class _Server:
 
 async def _answer(tls: trio.SSLStream[trio.SocketStream]) -> None:
     magic, version, pings, bulk = _HEADER.unpack(await recv_exactly(tls, _HEADER.size))
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version not in VERSIONS:
         raise RemoteProtocolError(f"bad probe header (magic {magic!r}, version {version})")
-    if pings > PINGS_MAX or bulk > BULK_BYTES_MAX:
-        raise RemoteProtocolError(f"probe asks for {pings} pings and {bulk} bytes, over the limits")
+    echo = _ECHO.unpack(await recv_exactly(tls, _ECHO.size))[0] if version >= 2 else 0
+    if pings > PINGS_MAX or bulk > BULK_BYTES_MAX or echo > ECHO_BYTES_MAX:
+        raise RemoteProtocolError(f"probe asks for {pings} pings, {bulk} bytes and {echo}-byte echoes, over the limits")
     for _ in range(pings):
         await tls.send_all(await recv_exactly(tls, _PING.size))
+    for _ in range(pings if echo else 0):
+        await tls.send_all(await recv_exactly(tls, echo))
     left = bulk
     while left > 0:
         chunk = await tls.receive_some(min(left, _CHUNK))  # at most `left`: never read past the bulk
@@ -170,20 +187,23 @@ async def probe(
     *,
     pings: int = 5,
     bulk_bytes: int = 1 << 20,
+    echo_bytes: int = ECHO_BYTES_DEFAULT,
     timeout_s: float = 5.0,
 ) -> ProbeResult:
     """Probe the agent at host:port (IPv4, or IPv6 including link-local "fe80::1%en5"), which
     must prove it is `expected_node_id`. Takes at most timeout_s; raises ProbeError on any
     failure and ValueError on arguments outside the server's limits."""
-    if not 1 <= pings <= PINGS_MAX or not 1 <= bulk_bytes <= BULK_BYTES_MAX or timeout_s <= 0:
-        raise ValueError(f"need 1..{PINGS_MAX} pings, 1..{BULK_BYTES_MAX} bulk bytes, a positive timeout")
+    if (not 1 <= pings <= PINGS_MAX or not 1 <= bulk_bytes <= BULK_BYTES_MAX or not 0 <= echo_bytes <= ECHO_BYTES_MAX
+            or timeout_s <= 0):
+        raise ValueError(f"need 1..{PINGS_MAX} pings, 1..{BULK_BYTES_MAX} bulk bytes, 0..{ECHO_BYTES_MAX} echo bytes, "
+                         "a positive timeout")
     try:
         with trio.fail_after(timeout_s):
             tls, peer = await dial_member(host, port, client_ctx)
             try:
                 if peer != expected_node_id:
                     raise ProbeError("wrong_node", f"{host} port {port} is {peer}, expected {expected_node_id}")
-                return await _measure(tls, pings, bulk_bytes)
+                return await _measure(tls, pings, bulk_bytes, echo_bytes)
             finally:
                 await trio.aclose_forcefully(tls)
     except trio.TooSlowError:
@@ -196,15 +216,11 @@ async def probe(
         raise ProbeError("refused", f"{host} port {port} refused or closed the probe: {exc!r}") from exc
 
 
-async def _measure(tls: trio.SSLStream[trio.SocketStream], pings: int, bulk_bytes: int) -> ProbeResult:
-    await tls.send_all(_HEADER.pack(MAGIC, VERSION, pings, bulk_bytes))
-    rtts: list[float] = []
-    for seq in range(pings):
-        start = trio.current_time()
-        await tls.send_all(_PING.pack(seq))
-        if await recv_exactly(tls, _PING.size) != _PING.pack(seq):
-            raise RemoteProtocolError(f"ping {seq} echoed wrong")
-        rtts.append(trio.current_time() - start)
+async def _measure(tls: trio.SSLStream[trio.SocketStream], pings: int, bulk_bytes: int, echo_bytes: int) -> ProbeResult:
+    await tls.send_all(_HEADER.pack(MAGIC, VERSION, pings, bulk_bytes) + _ECHO.pack(echo_bytes))
+    rtts = [await _round_trip(tls, _PING.pack(seq)) for seq in range(pings)]
+    echoes = [await _round_trip(tls, _PING.pack(seq) * (echo_bytes // _PING.size) + bytes(echo_bytes % _PING.size))
+              for seq in range(pings if echo_bytes else 0)]
     start = trio.current_time()
     left = bulk_bytes
     while left > 0:
@@ -216,5 +232,15 @@ async def _measure(tls: trio.SSLStream[trio.SocketStream], pings: int, bulk_byte
     if acked != bulk_bytes:
         raise RemoteProtocolError(f"peer acknowledged {acked} of {bulk_bytes} bulk bytes")
     return ProbeResult(
-        rtt_ms=statistics.median(rtts) * 1e3, gbps=bulk_bytes * 8 / seconds / 1e9, pings=pings, bulk_bytes=bulk_bytes
+        rtt_ms=statistics.median(rtts) * 1e3, gbps=bulk_bytes * 8 / seconds / 1e9, pings=pings, bulk_bytes=bulk_bytes,
+        echo_rtt_ms=statistics.median(echoes) * 1e3 if echoes else 0.0, echo_bytes=echo_bytes,
     )
+
+
+async def _round_trip(tls: trio.SSLStream[trio.SocketStream], message: bytes) -> float:
+    """Seconds for ``message`` to go to the peer and come back, checked byte for byte."""
+    start = trio.current_time()
+    await tls.send_all(message)
+    if await recv_exactly(tls, len(message)) != message:
+        raise RemoteProtocolError(f"a {len(message)}-byte message echoed wrong")
+    return trio.current_time() - start

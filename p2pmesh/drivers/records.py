@@ -78,6 +78,8 @@ _KINDS = frozenset(k.value for k in Kind)
 class Record:
     kind: Kind
     end: bool
+    """The last record of its batch: storage replays a batch only once it reads this one, so
+    records after the last end are an unfinished batch (a crash's torn tail)."""
     payload: bytes
     offset: int
     """Where the record's header starts in its file."""

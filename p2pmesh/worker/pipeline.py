@@ -31,6 +31,13 @@ When any row samples, the last rank sends int32[number of sampled rows] to rank 
 SHUTDOWN goes once around the ring (0 -> 1 -> ... -> n-1 -> 0), so when rank 0 gets it
 back every rank has left its loop; then all drain (synchronize, barrier all_sum) and exit.
 
+Tensor plans (worker/side_link.py). The stages are then tensor groups; a `SideLink` (TCP)
+takes the place of `Link` between the groups' first ranks (heads), with the same frames.
+Every step a head runs goes first, as a frame, to the other ranks of its group (rank 0
+sends its token ids, dtype code DTYPE_IDS, [R, L]; another head passes on the frame it
+received), which run it in the same order on their share (`serve_member`): the sharded
+layers all-sum over the group. Only the head passes the result on.
+
 Caches. Every stage keeps, per request, its own KV caches while it prefills (`solo`), and
 one batched cache per decode group (mlx-lm's BatchKVCache: left-padded rows; a group that
 has only ever had one request keeps that request's plain caches). A DECODE
@@ -67,7 +74,10 @@ FRAME_MAX = 256 << 10
 then take two messages, as a prefill chunk does."""
 OP_PREFILL, OP_DECODE, OP_SHUTDOWN, OP_RELEASE = 1, 2, 3, 4
 FLAG_FIRST, FLAG_SAMPLE = 1, 2
-DTYPES: dict[int, Any] = {1: mx.float32, 2: mx.float16, 3: mx.bfloat16}
+DTYPE_IDS = 4
+"""The payload is token ids [R, L] (no hidden axis): what rank 0 fans out to the other
+ranks of its tensor group (worker/side_link.py); never on the MLX ring."""
+DTYPES: dict[int, Any] = {1: mx.float32, 2: mx.float16, 3: mx.bfloat16, DTYPE_IDS: mx.int32}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 
@@ -157,6 +167,55 @@ def _signed(x: int) -> int:
     return x - (1 << 32) if x >= 1 << 31 else x
 
 
+def encode_frame(h: Header, rows: Sequence[WireRow] = (), x: mx.array | None = None, pad_to: int = 0) -> mx.array:
+    """A step as bytes (uint8): the header, with its payload size, then the rows and the
+    activation (or token ids), zero-padded up to `pad_to` bytes if it is shorter."""
+    parts = [encode_rows(rows).view(mx.uint8)] if rows else []
+    if x is not None:
+        parts.append(x.reshape(-1).view(mx.uint8))
+    payload = sum(p.size for p in parts)
+    head = Header(h.op, h.rows, h.length, h.dtype, h.group, payload).encode().view(mx.uint8)
+    pad = pad_to - HEADER_BYTES - payload
+    if pad > 0:
+        parts.append(mx.zeros((pad,), mx.uint8))
+    return mx.concatenate([head, *parts]) if parts else head
+
+
+def _payload_shape(h: Header, hidden: int) -> tuple[int, ...] | None:
+    if h.op not in (OP_PREFILL, OP_DECODE):
+        return None
+    return (h.rows, h.length) if h.dtype == DTYPE_IDS else (h.rows, h.length, hidden)
+
+
+def frame_end(h: Header, hidden: int) -> int:
+    """Bytes of the frame's header and payload; PipelineError when the header's payload size
+    is not what its rows and activation take (the ranks are out of sync)."""
+    shape = _payload_shape(h, hidden)
+    width = 0 if shape is None else DTYPES[h.dtype].size * _product(shape)
+    if h.payload != h.rows * ROW_BYTES + width:
+        raise PipelineError(f"frame {h} carries {h.payload} bytes, its rows and activation take {h.rows * ROW_BYTES + width}")
+    return HEADER_BYTES + h.payload
+
+
+def decode_body(h: Header, buf: mx.array, hidden: int) -> tuple[Header, list[WireRow], mx.array | None]:
+    """The rows and the activation (or token ids) of a frame whose header is `h` (checked by
+    frame_end): buf holds at least frame_end(h) bytes."""
+    end = frame_end(h, hidden)
+    shape = _payload_shape(h, hidden)
+    rows = decode_rows(buf[HEADER_BYTES : HEADER_BYTES + h.rows * ROW_BYTES].view(mx.int32)) if h.rows else []
+    x = None
+    if shape is not None:
+        x = buf[HEADER_BYTES + h.rows * ROW_BYTES : end].view(DTYPES[h.dtype]).reshape(shape)
+    return h, rows, x
+
+
+def _product(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 class Link:
     """This rank's two ring neighbours over an mx.distributed group. Every operation is
     evaluated before it returns (one at a time, on the CPU stream, where MLX's collectives
@@ -182,14 +241,8 @@ class Link:
 
     def send_frame(self, h: Header, rows: Sequence[WireRow] = (), x: mx.array | None = None) -> None:
         """One step to the right neighbour: a frame, and the rest of its payload if any."""
-        parts = [encode_rows(rows).view(mx.uint8)] if rows else []
-        if x is not None:
-            parts.append(x.reshape(-1).view(mx.uint8))
-        payload = sum(p.size for p in parts)
-        head = Header(h.op, h.rows, h.length, h.dtype, h.group, payload).encode().view(mx.uint8)
-        pad = self.frame - HEADER_BYTES - payload
-        body = mx.concatenate([head, *parts, *([mx.zeros((pad,), mx.uint8)] if pad > 0 else [])])
-        if pad >= 0:
+        body = encode_frame(h, rows, x, self.frame)
+        if body.size == self.frame:
             self.send(body)
         else:
             self.send(body[: self.frame])
@@ -200,16 +253,10 @@ class Link:
         (None for RELEASE and SHUTDOWN)."""
         buf = self.recv((self.frame,), mx.uint8)
         h = Header.decode(buf[:HEADER_BYTES].view(mx.int32))
-        acts = h.op in (OP_PREFILL, OP_DECODE)
-        width = h.rows * h.length * hidden * DTYPES[h.dtype].size if acts else 0
-        if h.payload != h.rows * ROW_BYTES + width:
-            raise PipelineError(f"frame {h} carries {h.payload} bytes, its rows and activation take {h.rows * ROW_BYTES + width}")
-        end = HEADER_BYTES + h.payload
+        end = frame_end(h, hidden)
         if end > self.frame:
             buf = mx.concatenate([buf, self.recv((end - self.frame,), mx.uint8)])
-        rows = decode_rows(buf[HEADER_BYTES : HEADER_BYTES + h.rows * ROW_BYTES].view(mx.int32)) if h.rows else []
-        x = buf[end - width : end].view(DTYPES[h.dtype]).reshape(h.rows, h.length, hidden) if acts else None
-        return h, rows, x
+        return decode_body(h, buf, hidden)
 
     def drain(self) -> None:
         """Finish pending work, then a barrier, so no rank closes its sockets while a
@@ -345,16 +392,23 @@ class Engine:
     """Rank 0: runs the scheduler's steps on the first stage and pushes them down the
     pipeline; the results (sampled tokens) come back from the last rank in the order the
     steps were sent. With one rank it samples itself. `submit` starts a step, `collect`
-    returns the oldest started step and its tokens (waiting for them if needed)."""
+    returns the oldest started step and its tokens (waiting for them if needed).
 
-    def __init__(self, stage: Stage, link: Link | None) -> None:
+    `link`: to the next stage (an MLX `Link`, or the side channel's `SideLink` between
+    tensor groups), None when rank 0 holds the last layers. `fan`: the other ranks of rank
+    0's tensor group (side_link.Fan), which get every step, with its token ids, before rank
+    0 runs it: they run it too, in the same order (the sharded layers all-sum over them)."""
+
+    def __init__(self, stage: Stage, link: Any | None, fan: Any | None = None) -> None:
         if (link is None) != stage.shard.last:
             raise ValueError("rank 0 without a group must hold the whole model, and with one must not")
-        self.stage, self.link = stage, link
+        self.stage, self.link, self.fan = stage, link, fan
         self.pending: deque[tuple[Step, int, list[int] | None]] = deque()
 
     def submit(self, step: Step) -> None:
         if isinstance(step, ReleaseStep):
+            if self.fan is not None:
+                self.fan.send_frame(Header(OP_RELEASE, len(step.nos)), [WireRow(no, 0) for no in step.nos])
             self.stage.release(step.nos)
             if self.link is not None:
                 self.link.send_frame(Header(OP_RELEASE, len(step.nos)), [WireRow(no, 0) for no in step.nos])
@@ -367,7 +421,10 @@ class Engine:
             rows, group, op = [WireRow.of(r) for r in step.rows], step.group, OP_DECODE
             ids = [list(r.tokens) for r in step.rows]
         h = Header(op, len(rows), len(ids[0]), 1, group)
-        out = run_step(self.stage, h, rows, mx.array(ids, dtype=mx.int32))
+        x = mx.array(ids, dtype=mx.int32)
+        if self.fan is not None:
+            self.fan.send_frame(Header(op, len(rows), len(ids[0]), DTYPE_IDS, group), rows, x)
+        out = run_step(self.stage, h, rows, x)
         if self.link is None:
             self.pending.append((step, 0, sample_rows(out, rows)))
             return
@@ -387,8 +444,13 @@ class Engine:
         return bool(self.pending) and self.pending[0][2] is not None
 
     def shutdown(self) -> None:
-        """Send SHUTDOWN around the ring and wait for it to come back, then drain."""
+        """Send SHUTDOWN around the ring (and to rank 0's tensor group) and wait for it to
+        come back, then drain."""
+        if self.fan is not None:
+            self.fan.send_frame(Header(OP_SHUTDOWN))
         if self.link is None:
+            if self.fan is not None:
+                self.fan.drain()
             return
         self.link.send_frame(Header(OP_SHUTDOWN))
         back, _, _ = self.link.recv_frame(self.stage.shard.hidden_size)
@@ -419,3 +481,21 @@ def serve_stage(stage: Stage, link: Link) -> None:
             link.send_frame(Header(h.op, h.rows, h.length, DTYPE_CODES[out.dtype], h.group), rows, out)
         elif any(r.sample for r in rows):
             link.send(mx.array(sample_rows(out, rows), dtype=mx.int32))
+
+
+def serve_member(stage: Stage, link: Any) -> None:
+    """A tensor group's other ranks: run every step the group's head sends (side_link.SideLink,
+    from the head), in its order, until SHUTDOWN, then drain. They send nothing: the head
+    passes the group's result on (all ranks of a group compute the same hidden states and
+    logits). Blocked in a socket recv while idle."""
+    hidden = stage.shard.hidden_size
+    while True:
+        h, rows, x = link.recv_frame(hidden)
+        if h.op == OP_SHUTDOWN:
+            link.drain()
+            return
+        if h.op == OP_RELEASE:
+            stage.release([r.no for r in rows])
+            continue
+        assert x is not None
+        run_step(stage, h, rows, x)

@@ -1,4 +1,5 @@
-"""A pipeline worker: `python -m p2pmesh.worker.serve --model M --stages '[[0,3],[3,8]]' --rank R`.
+"""A pipeline worker: `python -m p2pmesh.worker.serve --model M --stages '[[0,3],[3,8]]' --rank R`
+(and tensor groups chained as a pipeline: --group-sizes, below).
 
 One process per rank of the committed ring. With two or more stages the agent sets
 MLX_RANK (= --rank) and MLX_HOSTFILE (core/mlx_hostfile.py) exactly as for ring_check, and
@@ -8,6 +9,16 @@ prints "ready", then rank 0 reads commands from stdin and streams tokens to stdo
 the other ranks run their stage for every step rank 0 sends (worker/pipeline.py). Rank 0
 serves up to --max-batch requests at once (continuous batching, worker/scheduler.py) and
 queues --max-queue more; beyond that a request is refused with a "busy" error.
+
+Tensor groups and hybrids (issue 16): `--group-sizes [2, 2]` makes consecutive ranks one
+tensor group each (all of a group hold the same --stages range, split by --shares or evenly:
+worker/tensor.py). Then each group of two or more is its own MLX group (MLX_RANK = the
+rank's index in its group, MLX_HOSTFILE that group's), a group of one forms none, and
+the steps travel over the side channel (worker/side_link.py: --side-listen on each group's
+first rank, --side-next between those, --side-head for the others): rank 0 still reads
+stdin and runs the Engine; every group's first rank sends each step to its group first,
+and the others run it in lockstep (pipeline.serve_member). worker/group_plan.py parses
+and checks the plan. Without --group-sizes (or all ones) nothing of this runs.
 
 The JSON-lines protocol is in worker/protocol.py and docs/inference.md. In short:
   stdout, every rank: ready, heartbeat (every 0.5 s from a thread), error;
@@ -37,6 +48,7 @@ from typing import IO, Any
 
 from p2pmesh.core import protocol as limits_
 from p2pmesh.core.batching import Finished, Sampling, Scheduler
+from p2pmesh.worker.group_plan import Plan, Role, SideAddrs, parse_plan, parse_stage_list, side_addrs
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 300.0
@@ -89,21 +101,6 @@ def start_heartbeat(emitter: Emitter, rank: int, board: LoadBoard | None = None)
     return stop
 
 
-def parse_stages(text: str) -> list[tuple[int, int]]:
-    """[[s0, e0], [s1, e1], ...]: contiguous, non-empty, starting at layer 0."""
-    try:
-        raw = json.loads(text)
-        stages = [(int(s), int(e)) for s, e in raw]
-    except (ValueError, TypeError):
-        raise ValueError(f"--stages {text!r} is not a JSON list of [start, end] pairs") from None
-    if not stages or stages[0][0] != 0:
-        raise ValueError(f"--stages {stages} must start at layer 0")
-    for i, (s, e) in enumerate(stages):
-        if s >= e or (i and s != stages[i - 1][1]):
-            raise ValueError(f"--stages {stages}: stage {i} [{s}, {e}) is empty or not contiguous with the previous one")
-    return stages
-
-
 def read_line(stream: IO[bytes], limit: int) -> bytes | None:
     """The next line (without its newline) of at most `limit` bytes; None at EOF. A longer
     line raises LineTooLong after its remainder has been skipped."""
@@ -138,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="requests waiting for a slot; more are refused (busy)")
     parser.add_argument("--micro-batches", type=int, default=None,
                         help="decode groups in flight along the ring (default: one per stage)")
+    parser.add_argument("--group-sizes", default=None,
+                        help="JSON [n, ...]: consecutive ranks forming one tensor group each (default: all 1, a pipeline)")
+    parser.add_argument("--shares", default=None,
+                        help="JSON [[heads, kv_heads, columns], ...], one per rank (default: an even split per group)")
+    parser.add_argument("--side-listen", default=None, help="a group head: JSON [\"ip:port\", ...] it listens on (side channel)")
+    parser.add_argument("--side-next", default=None, help="a group head: HOST:PORT of the next group's head")
+    parser.add_argument("--side-head", default=None, help="a group member: HOST:PORT of its group's head")
     return parser
 
 
@@ -146,10 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     emitter = Emitter(sys.stdout)
     # Armed before MLX is even imported: it fires while native code blocks (accept, recv).
     faulthandler.dump_traceback_later(args.timeout_s, exit=True)
+    args.deadline = time.monotonic() + args.timeout_s
     try:
-        stages = parse_stages(args.stages)
+        stages = parse_stage_list(args.stages)
+        plan = parse_plan(stages, args.group_sizes, args.shares)
         if not 0 <= args.rank < len(stages):
             raise ValueError(f"--rank {args.rank} is not one of the {len(stages)} stages")
+        role = plan.role(args.rank)
+        side = _side_addrs(args, plan, role) if plan.tensor else None
         if args.max_batch < 1 or args.max_queue < 0 or (args.micro_batches is not None and args.micro_batches < 1):
             raise ValueError("--max-batch and --micro-batches must be >= 1, --max-queue >= 0")
         if args.prefill_chunk is not None and args.prefill_chunk < 1:
@@ -159,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     board = LoadBoard() if args.rank == 0 else None
     heartbeat_stop = start_heartbeat(emitter, args.rank, board)
     try:
-        return _run(args, stages, emitter, board)
+        return _run(args, plan, role, side, emitter, board)
     finally:
         heartbeat_stop.set()
 
@@ -182,52 +190,73 @@ def _fail(emitter: Emitter, code: int, message: str, request_ids: list[str] | No
     return code
 
 
-def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitter, board: LoadBoard | None) -> int:
+def _run(args: argparse.Namespace, plan: Plan, role: Role, side: SideAddrs | None, emitter: Emitter,
+         board: LoadBoard | None) -> int:
     import mlx.core as mx
 
     from p2pmesh.worker import protocol
     from p2pmesh.worker.checkpoint import CheckpointError, read_config
     from p2pmesh.worker.model import ModelError, load_shard, load_tokenizer, resolve_model
-    from p2pmesh.worker.pipeline import PREFILL_CHUNK, Engine, Link, Stage, serve_stage
+    from p2pmesh.worker.pipeline import PREFILL_CHUNK, Engine, Link, Stage, serve_member, serve_stage
     from p2pmesh.worker.ring_check import EnvError, read_env, read_hosts, ring_fault
     from p2pmesh.worker.ring_wake import left_sockets
+    from p2pmesh.worker.side_link import open_side
+    from p2pmesh.worker.tensor import TENSOR_FAMILIES, load_tensor_shard
 
-    rank, size = args.rank, len(stages)
+    rank, size = args.rank, len(plan.stages)
+    # The MLX group this process joins: the whole ring of a pipeline; its own tensor group
+    # in a tensor plan (none for a group of one).
+    mlx_rank, mlx_size = (role.index, role.size) if plan.tensor else (rank, size)
     group: Any = None
-    link: Link | None = None
+    link: Any = None
+    fan: Any = None
     try:
-        if size >= 2:
+        if mlx_size >= 2:
             env_rank, env_size = read_env()
-            if (env_rank, env_size) != (rank, size):
-                raise EnvError(f"MLX_RANK/MLX_HOSTFILE say rank {env_rank} of {env_size}; --rank/--stages say {rank} of {size}")
+            if (env_rank, env_size) != (mlx_rank, mlx_size):
+                mine = (f"--rank/--group-sizes say index {mlx_rank} of tensor group {role.group} of {mlx_size} ranks"
+                        if plan.tensor else f"--rank/--stages say {rank} of {size}")
+                raise EnvError(f"MLX_RANK/MLX_HOSTFILE say rank {env_rank} of {env_size}; {mine}")
     except EnvError as e:
         return _fail(emitter, EXIT_USAGE, str(e))
     try:
-        start, end = stages[rank]
+        start, end = role.layers
         path = resolve_model(args.model, layers=(start, end))
         config = read_config(path)
         num_layers = int(config.get("text_config", config)["num_hidden_layers"])
-        if stages[-1][1] != num_layers:
-            raise ModelError(f"--stages end at layer {stages[-1][1]} but the model has {num_layers} layers")
+        if plan.stages[-1][1] != num_layers:
+            raise ModelError(f"--stages end at layer {plan.stages[-1][1]} but the model has {num_layers} layers")
+        shares = _check_shares(plan, config.get("text_config", config))[role.group] if plan.tensor else None
     except (ModelError, CheckpointError, KeyError, ValueError) as e:
         return _fail(emitter, EXIT_USAGE, f"{type(e).__name__}: {e}")
     try:
-        if size >= 2:
+        if mlx_size >= 2:
             # init() once per process: MLX caches the group for the life of the process.
             group = mx.distributed.init(backend=args.backend, strict=True)
     except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError for a group that cannot form
-        fault = ring_fault(str(e), rank, read_hosts(os.environ["MLX_HOSTFILE"])) if args.backend == "ring" else None
+        fault = ring_fault(str(e), mlx_rank, read_hosts(os.environ["MLX_HOSTFILE"])) if args.backend == "ring" else None
         return _fail(emitter, EXIT_FAILED, f"{type(e).__name__}: {e}", fault=fault)
     try:
         t0 = time.monotonic()
-        shard = load_shard(path, start, end)
+        if not plan.tensor:
+            shard = load_shard(path, start, end)
+        elif shares is not None:
+            shard, _ = load_tensor_shard(path, start, end, shares, role.index, group)
+        else:
+            shard = load_shard(path, start, end, families=TENSOR_FAMILIES)
         load_s = time.monotonic() - t0
         tokenizer = load_tokenizer(path, config) if rank == 0 else None
         if group is not None:  # everyone loaded: the group is formed and usable
             mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=group, stream=mx.cpu))
+        if group is not None and not plan.tensor:
             # The ring backend's left sockets, to sleep on between steps (ring_wake.py).
             own = read_hosts(os.environ["MLX_HOSTFILE"])[rank] if args.backend == "ring" else []
             link = Link(group, shard.hidden_size, left_sockets(own))
+        if plan.tensor:
+            assert side is not None
+            # Before the watchdog fires, so a peer that never comes is an error event.
+            opened = open_side(plan, role, side, group, args.deadline - SIDE_MARGIN_S)
+            link, fan = opened.link, opened.fan
     except (ModelError, CheckpointError) as e:
         return _fail(emitter, EXIT_USAGE, f"{type(e).__name__}: {e}")
     except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError for a failed group; report whatever it was
@@ -238,16 +267,16 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
     try:
         if rank != 0:
             assert link is not None
-            serve_stage(stage, link)
+            (serve_member if plan.tensor and not role.head else serve_stage)(stage, link)
         else:
             limits = protocol.Limits(
                 max_line_bytes=args.max_line_bytes or protocol.MAX_LINE_BYTES,
                 max_prompt_tokens=args.max_prompt_tokens or protocol.MAX_PROMPT_TOKENS,
                 max_tokens_cap=args.max_tokens_cap or protocol.MAX_TOKENS_CAP,
             )
-            engine = Engine(stage, link)
+            engine = Engine(stage, link, fan)
             scheduler = Scheduler(args.max_batch, args.max_queue, args.prefill_chunk or PREFILL_CHUNK,
-                                  args.micro_batches or size)
+                                  args.micro_batches or len(plan.sizes))
             context = int(config.get("text_config", config).get("max_position_embeddings") or 0) or None
             server = Server(engine, tokenizer, shard.vocab_size, limits, context, emitter, scheduler, board)
             server.run(sys.stdin.buffer)
@@ -257,6 +286,31 @@ def _run(args: argparse.Namespace, stages: list[tuple[int, int]], emitter: Emitt
     except Exception as e:  # noqa: BLE001 - a dead peer, a desync or a bug: this epoch is over
         return _fail(emitter, EXIT_FAILED, f"{type(e).__name__}: {e}", getattr(e, "request_ids", None))
     return EXIT_OK
+
+
+SIDE_MARGIN_S = 1.0
+"""The side channel stops dialing this long before the watchdog, to say why it failed."""
+
+
+def _side_addrs(args: argparse.Namespace, plan: Plan, role: Role) -> SideAddrs:
+    return side_addrs(plan, role, args.side_listen, args.side_next, args.side_head)
+
+
+def _check_shares(plan: Plan, config: dict[str, Any]) -> list[Any]:
+    """Each group's shares (None for a group of one): --shares, or an even split; a
+    TensorShardError (exit 2) when they do not fit the model. Every group is checked, so
+    every rank refuses a bad plan alike."""
+    from p2pmesh.worker.tensor import check_shares, even_shares
+
+    out: list[Any] = []
+    for g, n in enumerate(plan.sizes):
+        if n == 1:
+            out.append(None)
+            continue
+        shares = plan.group_shares(g) or even_shares(config, n)
+        check_shares(config, shares)
+        out.append(shares)
+    return out
 
 
 class RequestFailed(Exception):

@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 HEADER = struct.Struct("!I")
-"""Every hop message: a 4-byte length, a JSON header of that length, then the payload."""
-CONNECT_RETRY_S = 0.05
+"""Every hop message: a 4-byte length, a JSON header of that length, then the payload.
+The serving worker's side channel (worker/side_link.py) is the checked, bounded kind of
+this hop; the connection helpers are its own."""
 
 
 class HopError(Exception):
@@ -115,23 +116,15 @@ def _nodelay(s: socket.socket) -> socket.socket:
 
 
 def _connect(addr: tuple[str, int], deadline: float) -> socket.socket:
-    while True:  # bounded by the deadline
-        try:
-            return socket.create_connection(addr, timeout=max(0.1, deadline - time.monotonic()))
-        except OSError:
-            if time.monotonic() >= deadline:
-                raise HopError(f"cannot reach the next group at {addr[0]}:{addr[1]}") from None
-            time.sleep(CONNECT_RETRY_S)
+    from p2pmesh.worker.side_link import connect_retry
+
+    return connect_retry(addr, deadline, "the next group's rank 0")
 
 
 def _read(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:  # bounded: n bytes, or the peer closes
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise HopError("the neighbour group closed the hop")
-        buf += chunk
-    return bytes(buf)
+    from p2pmesh.worker.side_link import read_exact
+
+    return read_exact(s, n, "the neighbour group")
 
 
 class GroupRank:
@@ -231,6 +224,7 @@ def parse_shares(text: str | None, config: dict[str, Any], size: int) -> tuple[A
     """--shares: a JSON list of [heads, kv_heads, columns] or {"heads", "kv_heads",
     "columns"} per rank (plan solve's `shares`); absent: an even split."""
     from p2pmesh.core.placement_cost import Share
+    from p2pmesh.worker.group_plan import parse_shares as parse
     from p2pmesh.worker.tensor import TensorShardError, even_shares
 
     if text is None:
@@ -238,11 +232,9 @@ def parse_shares(text: str | None, config: dict[str, Any], size: int) -> tuple[A
                                                                   int(config.get("num_key_value_heads") or config["num_attention_heads"]),
                                                                   int(config["intermediate_size"])),)
     try:
-        raw = json.loads(text)
-        return tuple(Share(int(s["heads"]), int(s["kv_heads"]), int(s["columns"])) if isinstance(s, dict)
-                     else Share(*(int(v) for v in s)) for s in raw)
-    except (ValueError, TypeError, KeyError) as e:
-        raise TensorShardError("bad_shares", f"--shares is not a list of shares: {e}") from None
+        return parse(text)
+    except ValueError as e:
+        raise TensorShardError("bad_shares", str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

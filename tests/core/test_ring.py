@@ -245,3 +245,25 @@ def test_a_kept_ring_plan_depends_only_on_what_plan_ring_reads() -> None:
     assert plan_ring(state) is not None
     moved = dataclasses.replace(state, members=(dataclasses.replace(members[0], addresses=("10.9.9.9",)), *members[1:]))
     assert plan_inputs(moved) != plan_inputs(state)
+
+
+def test_a_cable_costs_the_echo_round_trip_where_the_probe_measured_one() -> None:
+    # The data plane sends activations, not 8-byte pings: the probe's activation-sized echo
+    # is the cable's latency when either end measured it (drivers/probe.py, version 2).
+    from p2pmesh.core.messages import Capabilities, ClusterState, LinkProbe, Member, PortInfo
+    from p2pmesh.core.physical import cables
+
+    a, b = f"{1:032x}", f"{2:032x}"
+    tb = [PortInfo("en1", "thunderbolt", "da", "db", True, 40.0, (), False),
+          PortInfo("en2", "thunderbolt", "db", "da", True, 40.0, (), False)]
+
+    def rtt(probe_a: LinkProbe, probe_b: LinkProbe) -> float | None:
+        ma = Member(a, 1, True, True, ("10.0.0.1",), Capabilities(2**35, "M4 Max"), ports=(tb[0],), probes=(probe_a,))
+        mb = Member(b, 1, True, True, ("10.0.0.2",), Capabilities(2**35, "M4 Max"), ports=(tb[1],), probes=(probe_b,))
+        (cable,) = [c for c in cables(ClusterState("c1", (ma, mb), 0, (), ())) if c.kind == "thunderbolt"]
+        return cable.rtt_ms
+
+    assert rtt(LinkProbe("en1", b, 0.05, 20.0, 0.4), LinkProbe("en2", a, 0.06, 20.0, 0.3)) == 0.3
+    # An older peer does not echo: the other end's echo still says what an activation costs.
+    assert rtt(LinkProbe("en1", b, 0.05, 20.0, 0.4), LinkProbe("en2", a, 0.06, 20.0)) == 0.4
+    assert rtt(LinkProbe("en1", b, 0.05, 20.0), LinkProbe("en2", a, 0.06, 20.0)) == 0.05

@@ -14,6 +14,7 @@ import trio
 from p2pmesh.core.identity import Identity
 from p2pmesh.drivers.probe import (
     BULK_BYTES_MAX,
+    ECHO_BYTES_MAX,
     MAGIC,
     PINGS_MAX,
     SESSIONS_MAX,
@@ -28,6 +29,12 @@ from p2pmesh.drivers.tls import Credentials
 KEY = bytes(range(32))
 OTHER_KEY = bytes(32)
 HEADER = struct.Struct(">4sBHI")
+ECHO = struct.Struct(">I")
+
+
+def header(magic: bytes, version: int, pings: int, bulk: int, echo: int = 0) -> bytes:
+    """A probe header as a client writes it (version 2 adds the echo size)."""
+    return HEADER.pack(magic, version, pings, bulk) + (ECHO.pack(echo) if version >= 2 else b"")
 
 
 class Member:
@@ -88,6 +95,8 @@ async def test_probe_measures_a_link(host: str) -> None:
             assert result.pings == 7 and result.bulk_bytes == 1 << 20
             assert 0 < result.rtt_ms < 1000
             assert 0 < result.gbps < 10_000
+            # The echo phase: an activation-sized message costs at least a ping's round trip.
+            assert result.echo_bytes == 16 << 10 and result.echo_rtt_ms > 0
             # A bracketed host works too (the form addresses take in HOST:PORT strings).
             again = await probe(f"[{host}]", port, client.client_ctx, server.node_id, pings=1, bulk_bytes=1)
             assert again.pings == 1 and again.rtt_ms > 0
@@ -192,11 +201,12 @@ async def test_nobody_listening_is_refused() -> None:
     "payload",
     [
         b"\x00" * HEADER.size,  # garbage header
-        HEADER.pack(b"XXXX", VERSION, 1, 1),  # wrong magic
-        HEADER.pack(MAGIC, VERSION + 1, 1, 1),  # unknown version
-        HEADER.pack(MAGIC, VERSION, 1, BULK_BYTES_MAX + 1),  # oversized bulk claim
-        HEADER.pack(MAGIC, VERSION, PINGS_MAX + 1, 1),  # too many pings
-        HEADER.pack(MAGIC, VERSION, 0, 1 << 20) + b"x" * 100,  # hangs up mid-bulk
+        header(b"XXXX", VERSION, 1, 1),  # wrong magic
+        HEADER.pack(MAGIC, VERSION + 1, 1, 1) + ECHO.pack(0),  # unknown version
+        header(MAGIC, VERSION, 1, BULK_BYTES_MAX + 1),  # oversized bulk claim
+        header(MAGIC, VERSION, PINGS_MAX + 1, 1),  # too many pings
+        header(MAGIC, VERSION, 1, 1, ECHO_BYTES_MAX + 1),  # oversized echo
+        header(MAGIC, VERSION, 0, 1 << 20) + b"x" * 100,  # hangs up mid-bulk
         HEADER.size * b"\xff" + b"x" * 100,  # garbage and more garbage
     ],
 )
@@ -228,9 +238,35 @@ async def test_hostile_clients_are_refused_and_server_keeps_serving(
 
 
 @pytest.mark.trio
+async def test_a_version_1_client_is_still_answered() -> None:
+    """An agent of the previous release probes without the echo phase: same pings and bulk."""
+    server, client = Member(), Member()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_probes, "127.0.0.1", 0, server.server_ctx)
+            tls = await _tls_client(port, client)
+            await tls.send_all(header(MAGIC, 1, 2, 10) + struct.pack(">Q", 7) + struct.pack(">Q", 8))
+            assert await _recv(tls, 16) == struct.pack(">QQ", 7, 8)
+            await tls.send_all(b"z" * 10)
+            assert await _recv(tls, 8) == struct.pack(">Q", 10)
+            await trio.aclose_forcefully(tls)
+            nursery.cancel_scope.cancel()
+
+
+async def _recv(stream: trio.abc.ReceiveStream, n: int) -> bytes:
+    buf = b""
+    for _ in range(n):  # bounded: at least a byte a read
+        if len(buf) >= n:
+            break
+        buf += await stream.receive_some(n - len(buf))
+    return buf
+
+
+@pytest.mark.trio
 async def test_client_rejects_out_of_limit_arguments() -> None:
     client, server = Member(), Member()
-    for kwargs in ({"pings": 0}, {"pings": PINGS_MAX + 1}, {"bulk_bytes": BULK_BYTES_MAX + 1}, {"timeout_s": 0}):
+    for kwargs in ({"pings": 0}, {"pings": PINGS_MAX + 1}, {"bulk_bytes": BULK_BYTES_MAX + 1},
+                   {"echo_bytes": ECHO_BYTES_MAX + 1}, {"echo_bytes": -1}, {"timeout_s": 0}):
         with pytest.raises(ValueError):
             await probe("127.0.0.1", 1, client.client_ctx, server.node_id, **kwargs)  # type: ignore[arg-type]
 

@@ -1,6 +1,8 @@
 """Real pipeline workers (`python -m p2pmesh.worker.serve`), one process per rank, on a
 loopback MLX ring: what the agent does, minus the agent. Used by the tests and by
-scripts/bench_pipeline.py.
+scripts/bench_pipeline.py. With `group_sizes` (a tensor or hybrid plan, issue 16): one
+loopback MLX ring per tensor group of two or more, and the side channel's addresses
+(--side-listen for each group's head, --side-next between heads, --side-head for members).
 
 Every wait has a deadline and `close()` kills whatever is still running; the caller puts
 it in a `finally`. Each rank's stdout is parsed by a reader thread into a queue of events;
@@ -33,8 +35,9 @@ class ClusterError(AssertionError):
 
 class Cluster:
     def __init__(self, model: Path, stages: list[list[int]], workdir: Path, extra: list[str] | None = None,
-                 *, timestamps: bool = False, root: Path = ROOT) -> None:
+                 *, timestamps: bool = False, root: Path = ROOT, group_sizes: list[int] | None = None) -> None:
         self.model, self.stages, self.workdir = model, stages, workdir
+        self.group_sizes = group_sizes
         self.root = root  # the checkout whose worker runs (a benchmark compares two)
         self.timestamps = timestamps  # add "_t" = time.monotonic() on arrival to every event (the benchmark's clock)
         self.extra = extra or []
@@ -49,18 +52,41 @@ class Cluster:
     def size(self) -> int:
         return len(self.stages)
 
+    def _ranks(self, env: dict[str, str]) -> list[tuple[dict[str, str], list[str]]]:
+        """Each rank's environment and extra options."""
+        sizes = self.group_sizes or [1] * self.size
+        if max(sizes) == 1:  # a pipeline: one ring of every rank
+            if self.size < 2:
+                return [(env, [])]
+            hostfile = self.workdir / "hostfile.json"
+            hostfile.write_text(json.dumps(loopback_hostfile(self.size, free_port_run(self.size))), encoding="utf-8")
+            return [({**env, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)}, []) for r in range(self.size)]
+        base = free_port_run(self.size + len(sizes))
+        side = [base + self.size + g for g in range(len(sizes))]
+        out = []
+        for g, n in enumerate(sizes):
+            first = sum(sizes[:g])
+            if n >= 2:
+                hostfile = self.workdir / f"hostfile{g}.json"
+                hostfile.write_text(json.dumps(loopback_hostfile(n, base + first)), encoding="utf-8")
+            for i in range(n):
+                opts = ["--group-sizes", json.dumps(sizes)]
+                if i:
+                    opts += ["--side-head", f"127.0.0.1:{side[g]}"]
+                else:
+                    opts += ["--side-listen", json.dumps([f"127.0.0.1:{side[g]}"])]
+                    if len(sizes) >= 2:
+                        opts += ["--side-next", f"127.0.0.1:{side[(g + 1) % len(sizes)]}"]
+                out.append(({**env, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(i)} if n >= 2 else env, opts))
+        return out
+
     def start(self) -> Cluster:
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         env.pop("MLX_RANK", None)
         env.pop("MLX_HOSTFILE", None)
-        if self.size >= 2:
-            hostfile = self.workdir / "hostfile.json"
-            hostfile.write_text(json.dumps(loopback_hostfile(self.size, free_port_run(self.size))), encoding="utf-8")
-            env["MLX_HOSTFILE"] = str(hostfile)
-        for rank in range(self.size):
-            cmd = [sys.executable, "-m", "p2pmesh.worker.serve", "--model", str(self.model),
-                   "--stages", json.dumps(self.stages), "--rank", str(rank), "--timeout-s", str(WORKER_TIMEOUT_S), *self.extra]
-            rank_env = {**env, "MLX_RANK": str(rank)} if self.size >= 2 else env
+        for rank, (rank_env, opts) in enumerate(self._ranks(env)):
+            cmd = [sys.executable, "-m", "p2pmesh.worker.serve", "--model", str(self.model), "--stages",
+                   json.dumps(self.stages), "--rank", str(rank), "--timeout-s", str(WORKER_TIMEOUT_S), *opts, *self.extra]
             with self.errs[rank].open("wb") as err:
                 proc = subprocess.Popen(cmd, cwd=self.root, env=rank_env, stdout=subprocess.PIPE, stderr=err,
                                         stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL)

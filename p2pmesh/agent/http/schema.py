@@ -57,6 +57,8 @@ class Options:
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
     prompt: str | None
+    """The prompt as text, or None when the body gave token ids (``prompt_tokens``): one
+    prompt per request, never a batch (``_one_prompt``)."""
     prompt_tokens: tuple[int, ...]
     options: Options
 
@@ -64,6 +66,8 @@ class CompletionRequest:
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
+    """One of CHAT_ROLES but "developer": parse_chat reads that one (OpenAI's newer name for
+    the system role) as "system"."""
     content: str
 
 

@@ -155,7 +155,7 @@ async def probes(view: ClusterView, inbox: Inbox, config: ProbeConfig) -> None:
                     except ProbeError as exc:
                         log.info("probe of %s over %s failed: %s", peer[:8], interface, exc)
                         continue
-                    results.append(LinkProbe(interface, peer, round(r.rtt_ms, 3), round(r.gbps, 2)))
+                    results.append(LinkProbe(interface, peer, round(r.rtt_ms, 3), round(r.gbps, 2), round(r.echo_rtt_ms, 3)))
                 if results or snapshot.probes:
                     await inbox.put(ProbesMeasured(tuple(results)))
             await view.changed(snapshot.version, timeout_s=max(0.0, last_probe + PROBE_PERIOD_S - trio.current_time()))
