@@ -121,17 +121,19 @@ def test_tensor_serves_the_greedy_tokens_and_survives_a_killed_rank(two_agents: 
 
     # SIGKILL the non-head rank's worker after a few tokens: a new epoch, the same tokens.
     member = two_agents[ids.index(p["stages"][1]["node_id"])]
-    epoch, killed = p["epoch"], threading.Event()
+    epoch, killed, victims = p["epoch"], threading.Event(), []
 
     def on_token(count: int) -> None:
         if count >= 2 and not killed.is_set():
             killed.set()
-            for pid in _worker_pids(member, 1):
+            victims.extend(_worker_pids(member, 1))
+            for pid in victims:
                 os.kill(pid, signal.SIGKILL)
 
     tokens, last = _generate(a, TOKENS, on_token)
-    assert killed.is_set() and last["finish"] == "length", last
+    assert killed.is_set() and len(victims) == 1 and last["finish"] == "length", (victims, last)
     assert tokens == reference
+    assert _status(a)["requests_resumed"] >= 1  # it really moved epochs
     p = wait_for(lambda: _serving_as(a, ("tensor",)), SERVE_TIMEOUT_S, "a tensor group serving again")
     assert p["epoch"] > epoch
 
