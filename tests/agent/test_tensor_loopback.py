@@ -31,7 +31,6 @@ FORM_TIMEOUT_S = 40
 SERVE_TIMEOUT_S = 120
 LAYERS = 4
 TOKENS = 160
-WORKER_SIDE = (ROOT / "p2pmesh" / "worker" / "side_link.py").exists()
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +105,6 @@ def test_a_bad_parallelism_is_refused_before_anything_is_committed(two_agents: l
     assert _status(a)["placement"]["model"] is None
 
 
-@pytest.mark.skipif(not WORKER_SIDE, reason="the tensor serving worker (p2pmesh/worker/side_link.py) is not merged yet")
 def test_tensor_serves_the_greedy_tokens_and_survives_a_killed_rank(two_agents: list[AgentProc], shaped_model: Path) -> None:
     reference = _references(shaped_model, [PROMPT], TOKENS)[0]
     a, b = two_agents
