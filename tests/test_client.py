@@ -50,12 +50,13 @@ PUBLIC_API = {
     "__version__",
     "open_client", "connect", "AsyncClient", "Client", "AsyncGeneration", "Generation",
     "Agent",
-    "Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "LoadProgress",
-    "LoadedModel", "ModelInfo", "GenerationResult", "Event", "EventKind", "fallback_chat_prompt", "Requests",
+    "Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "GroupInfo", "ShareInfo",
+    "LoadProgress", "LoadedModel", "ModelInfo", "GenerationResult", "Event", "EventKind", "fallback_chat_prompt", "Requests",
     "P2PMeshError", "AgentNotRunning", "AgentTimeout", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy",
     "ModelRefused", "ModelDoesNotFit", "ModelCannotLoad", "PlacementProblem",
 }
-VALUES = {"Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "LoadProgress",
+VALUES = {"Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "GroupInfo", "ShareInfo",
+          "LoadProgress",
           "LoadedModel", "ModelInfo", "GenerationResult", "Event", "PlacementProblem", "Requests"}
 ERRORS = {"AgentNotRunning", "AgentTimeout", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy", "ModelRefused",
           "ModelDoesNotFit", "ModelCannotLoad"}

@@ -61,7 +61,7 @@ def read_config(path: Path) -> dict[str, Any]:
         raise ModelError(str(exc)) from None
 
 
-def describe(name: str, path: Path, context_tokens: int, batch: int = 1) -> ModelInfo:
+def describe(name: str, path: Path, context_tokens: int, batch: int = 1, parallelism: str = "auto") -> ModelInfo:
     """What the planner needs to know about a model (core/model_spec.py does the sums)."""
     from p2pmesh.core.model_spec import ModelSpecError, model_spec
 
@@ -81,6 +81,12 @@ def describe(name: str, path: Path, context_tokens: int, batch: int = 1) -> Mode
         # What the first and last stage hold besides layers (embeddings, head, final norm).
         embed_bytes=n.embed_bytes + n.head_bytes + n.norm_bytes,
         batch=batch,
+        # The shape tensor groups split: all four, or none (0: only pipelines are planned).
+        hidden_size=n.hidden_size if n.num_attention_heads else 0,
+        num_attention_heads=n.num_attention_heads,
+        num_key_value_heads=n.num_key_value_heads,
+        intermediate_size=n.intermediate_size,
+        parallelism=parallelism,
     )
 
 

@@ -59,6 +59,7 @@ from p2pmesh.core.machine import (
 from p2pmesh.core.messages import Capabilities, LoadReport, SetModel
 from p2pmesh.core import protocol
 from p2pmesh.core.protocol import ErrorCode, RequestInvalid, error_answer
+from p2pmesh.core.placement import PARALLELISM_CHOICES
 from p2pmesh.core.serving import LOAD_STALE_MS, ClientEvent, GenerateParams
 from p2pmesh.drivers import control, files, keys
 from p2pmesh.drivers.storage import Storage
@@ -447,18 +448,28 @@ class Agent:
         if not protocol.is_int(batch) or not 1 <= batch <= protocol.BATCH_REQUESTS_MAX:
             return error_answer(ErrorCode.BAD_REQUEST, f"batch (requests served at once) is 1 to {protocol.BATCH_REQUESTS_MAX}",
                                 param="batch")
+        parallelism = request.get("parallelism", "auto")
+        if parallelism not in PARALLELISM_CHOICES:
+            return error_answer(ErrorCode.BAD_REQUEST, f"parallelism is one of {', '.join(PARALLELISM_CHOICES)}, "
+                                f"not {str(parallelism)[:40]!r}", param="parallelism")
         local = models.located(name, self.config.model_root)
         try:
             path = await trio.to_thread.run_sync(models.resolve, local)
-            info = await trio.to_thread.run_sync(models.describe, name, path, context, batch)
+            info = await trio.to_thread.run_sync(models.describe, name, path, context, batch, parallelism)
         except models.ModelError as exc:
             return error_answer(ErrorCode.MODEL_INVALID, str(exc))
         problem = validate.model_problem(info)
         if problem is not None:
             return error_answer(ErrorCode.MODEL_INVALID, problem)
+        if parallelism in ("tensor", "hybrid") and not info.hidden_size:
+            return error_answer(ErrorCode.BAD_REQUEST, f"a {parallelism} plan needs the model's shape (hidden_size, "
+                                "num_attention_heads, num_key_value_heads and intermediate_size in config.json, the "
+                                f"heads dividing evenly): {name} does not say it; use --parallelism auto or pipeline",
+                                param="parallelism", reason="model_shape_unknown")
         await self.inbox_send.send(ProposalRequested(SetModel(info)))
         return {"ok": True, "model": {"name": info.name, "layers": info.layers, "layer_bytes": info.layer_bytes,
-                                      "context_tokens": info.context_tokens, "batch": info.batch}}
+                                      "context_tokens": info.context_tokens, "batch": info.batch,
+                                      "parallelism": info.parallelism}}
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Control op `generate`: stream a generation's tokens (this agent is its origin)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pmesh.agent.ports import Snapshot
-from p2pmesh.core import fit
+from p2pmesh.core import dataplane, fit
 from p2pmesh.core.messages import ClusterState, LoadReport, PortInfo
 from p2pmesh.core.ring_view import ring_json
 
@@ -73,14 +73,17 @@ def placement_json(state: ClusterState) -> dict[str, Any]:
         "epoch": state.active_epoch,
         "model": state.model.name if state.model else None,
         "stages": stages(state.active),
+        **groups_json(state.active),
         "serving": bool(state.active) and all(s.node_id in up for s in state.active),
         # Requests served at once: KV cache is reserved for `batch`; it is below `batch_asked`
         # only where memory did not allow more (the placement serves fewer rather than refuse).
         "batch": state.active_batch,
         "batch_asked": state.model.batch if state.model else 1,
+        "parallelism_asked": state.model.parallelism if state.model else "auto",
     }
     if state.placement_epoch > state.active_epoch:
-        out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), "ready": list(state.ready),
+        out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), **groups_json(state.placement),
+                          "ready": list(state.ready),
                           "fetched": list(state.fetched), "batch": state.placement_batch}
     problem = _placement_problem(state)
     if problem is not None:
@@ -91,6 +94,16 @@ def placement_json(state: ClusterState) -> dict[str, Any]:
         out["fault"] = {"code": f.code, "node_id": f.node_id, "address": f.address, "port": f.port,
                         "reporter": f.reporter, "epoch": f.epoch, "message": f.message}
     return out
+
+
+def groups_json(stages: Any) -> dict[str, Any]:
+    """`parallelism` ("single", "pipeline", "tensor", "hybrid"; null for no placement) and
+    `groups`, as `plan solve --json` prints them: each group's node_ids and layers [start,
+    end), and a tensor group's shares (heads, kv_heads, columns per node)."""
+    if not stages:
+        return {"parallelism": None, "groups": []}
+    plan = dataplane.committed_plan(tuple(stages))
+    return {"parallelism": plan.parallelism, "groups": [g.to_json() for g in plan.layout]}
 
 
 _problem_memo: list[Any] = [None, None]

@@ -105,9 +105,22 @@ def placement_text(placement: dict[str, Any] | None, me: str | None = None) -> T
     if placement.get("stages"):
         batch, asked = int(placement.get("batch") or 1), int(placement.get("batch_asked") or 1)
         t.append(f"  {batch_words(batch, asked)}", style=SLOW_STYLE if batch < asked else "")
-    for i, s in enumerate(placement.get("stages", [])):
-        start, end = s["layers"]
-        t.append(f"\n  stage {i}: {short(s['node_id'], me)} layers {start}-{end - 1} ({end - start})")
+    kind = placement.get("parallelism")
+    if kind in ("tensor", "hybrid"):
+        # Groups of Macs sharing every layer of their range (a Mac alone in a hybrid: a stage).
+        t.append(f"\n  {kind}" + ("" if placement.get("parallelism_asked") in (None, "auto", kind)
+                                   else f" ({placement.get('parallelism_asked')} asked)"))
+        for i, g in enumerate(placement.get("groups", [])):
+            start, end = g["layers"]
+            names = ", ".join(short(n, me) for n in g["node_ids"])
+            t.append(f"\n  group {i}: {names} layers {start}-{end - 1} ({end - start})")
+    else:
+        if kind and placement.get("parallelism_asked") not in (None, "auto", "pipeline"):
+            t.append(f"\n  {kind} ({placement.get('parallelism_asked')} asked: it could not be planned here)",
+                     style=SLOW_STYLE)
+        for i, s in enumerate(placement.get("stages", [])):
+            start, end = s["layers"]
+            t.append(f"\n  stage {i}: {short(s['node_id'], me)} layers {start}-{end - 1} ({end - start})")
     pending = placement.get("pending")
     if pending:
         ready, total = len(set(pending.get("ready", []))), len(pending.get("stages", []))

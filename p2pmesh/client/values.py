@@ -87,6 +87,29 @@ class StageInfo:
 
 
 @dataclass(frozen=True)
+class GroupInfo:
+    """A group of a placement: Macs that run the layers [start, end) together, each a share
+    of every layer (a tensor group; ``node_ids[0]`` takes the hop in), or one Mac (a
+    pipeline stage). The status JSON's ``groups``, as `plan solve --json` prints them."""
+
+    node_ids: tuple[str, ...]
+    start: int
+    end: int
+    shares: tuple[ShareInfo, ...] = ()
+    """A tensor group's per-Mac shares, in node_ids' order; empty for one Mac."""
+
+
+@dataclass(frozen=True)
+class ShareInfo:
+    """One Mac's part of every layer of its tensor group."""
+
+    node_id: str
+    heads: int
+    kv_heads: int
+    columns: int
+
+
+@dataclass(frozen=True)
 class PendingPlacement:
     """A committed placement whose workers are still loading (make before break)."""
 
@@ -98,6 +121,8 @@ class PendingPlacement:
     """Members that have their stage's model files on disk (workers start once all have)."""
     batch: int = 1
     """Requests its head will serve at once (its KV cache reservation)."""
+    parallelism: str | None = None
+    groups: tuple[GroupInfo, ...] = ()
 
     @property
     def ready_count(self) -> int:
@@ -128,6 +153,13 @@ class Placement:
     batch_asked: int = 1
     """What the model asked for (load's batch, or the agent's --max-batch): ``batch`` is
     less only where memory did not allow more."""
+    parallelism: str | None = None
+    """How the serving epoch runs the model: "single" (one Mac), "pipeline", "tensor" (one
+    group of Macs sharing every layer) or "hybrid" (tensor groups in a row); None: none."""
+    groups: tuple[GroupInfo, ...] = ()
+    """The serving epoch's groups (a pipeline's: one Mac each)."""
+    parallelism_asked: str = "auto"
+    """What the model asked for (load's ``parallelism``)."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +240,9 @@ class ModelInfo:
     context_tokens: int
     batch: int = 1
     """Requests to serve at once (the placement reserves KV cache for them where it can)."""
+    parallelism: str = "auto"
+    """What was asked for: "auto", "pipeline", "tensor" or "hybrid" (the placement says
+    what was chosen)."""
 
 
 @dataclass(frozen=True)
@@ -308,6 +343,13 @@ def _stages(ss: Any) -> tuple[StageInfo, ...]:
     return tuple(StageInfo(str(s["node_id"]), int(s["layers"][0]), int(s["layers"][1])) for s in ss or ())
 
 
+def _groups(gs: Any) -> tuple[GroupInfo, ...]:
+    return tuple(GroupInfo(tuple(str(n) for n in g["node_ids"]), int(g["layers"][0]), int(g["layers"][1]),
+                           tuple(ShareInfo(str(x["node_id"]), int(x["heads"]), int(x["kv_heads"]), int(x["columns"]))
+                                 for x in g.get("shares") or ()))
+                 for g in gs or ())
+
+
 def _placement(d: Mapping[str, Any]) -> Placement:
     pending = d.get("pending")
     return Placement(
@@ -316,11 +358,15 @@ def _placement(d: Mapping[str, Any]) -> Placement:
         _stages(d.get("stages")),
         bool(d.get("serving")),
         PendingPlacement(int(pending["epoch"]), _stages(pending.get("stages")), tuple(str(n) for n in pending.get("ready") or ()),
-                         tuple(str(n) for n in pending.get("fetched") or ()), int(pending.get("batch") or 1))
+                         tuple(str(n) for n in pending.get("fetched") or ()), int(pending.get("batch") or 1),
+                         _opt_str(pending.get("parallelism")), _groups(pending.get("groups")))
         if pending else None,
         PlacementProblem.from_json(d["problem"]) if d.get("problem") else None,
         int(d.get("batch") or 1),
         int(d.get("batch_asked") or 1),
+        _opt_str(d.get("parallelism")),
+        _groups(d.get("groups")),
+        str(d.get("parallelism_asked") or "auto"),
     )
 
 
@@ -328,7 +374,7 @@ def parse_model(d: Any) -> ModelInfo:
     """The model op's description of the model it accepted."""
     try:
         return ModelInfo(str(d["name"]), int(d.get("layers", 0)), int(d.get("layer_bytes", 0)), int(d["context_tokens"]),
-                         int(d.get("batch") or 1))
+                         int(d.get("batch") or 1), str(d.get("parallelism") or "auto"))
     except (KeyError, TypeError, ValueError, AttributeError):
         raise AgentError("the agent accepted the model but did not describe it") from None
 

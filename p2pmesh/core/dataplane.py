@@ -15,6 +15,7 @@ epoch's MLX hostfile.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from p2pmesh.core import fit, physical
 from p2pmesh.core.ids import NodeId
@@ -25,13 +26,19 @@ from p2pmesh.core.messages import (
     SetPlacement,
     Stage,
 )
-from p2pmesh.core.placement import NodeSpec, Plan, PlacementError, solve_placement
+from p2pmesh.core.placement import (PARALLELISM_CHOICES, Group, ModelSpec, NodeSpec, ParallelismError, PlacementError,
+                                     Plan, Share, predict_plan, solve_placement)
 from p2pmesh.core.placement import Stage as PlanStage
 from p2pmesh.core.ring import Link
 
 RESTARTS_MAX = 5
 """A group that keeps failing with the same stages (a corrupt model file, a port taken) is
 restarted at most this many times in a row; then the cluster stops serving and says so."""
+SOLVE_MEMO = 64
+"""Plans remembered (a change of Macs, measurements or model solves afresh; the batch
+bisection asks up to log2(batch) + 1 plans per change)."""
+
+
 PLACEMENT_MARGIN = 0.15
 """A serving plan is replaced only when a new one is at least 15% faster (or it no longer
 fits): moving layers costs loading time, and measurements are noisy."""
@@ -69,8 +76,8 @@ def negotiate(state: ClusterState) -> SetPlacement | ActivatePlacement | None:
 
 
 def _wanted_stages(state: ClusterState) -> tuple[tuple[Stage, ...], int] | None:
-    """The stages the cluster should serve with, and the batch their KV cache is reserved
-    for; None when it cannot tell yet."""
+    """The stages (ranks) the cluster should serve with, and the batch their KV cache is
+    reserved for; None when it cannot tell yet."""
     model = state.model
     if model is None:
         return (), 1
@@ -79,27 +86,109 @@ def _wanted_stages(state: ClusterState) -> tuple[tuple[Stage, ...], int] | None:
         # Nobody measured it yet; or nobody can load it at all: then serve nothing, rather
         # than keep a placement of another model (core/fit.py says why).
         return ((), 1) if fit.unloadable(state) else None
-    links = [Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in physical.cables(state, physical.serving(state))]
+    links = tuple(Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in physical.cables(state, physical.serving(state)))
     serving = state.active if state.active else state.placement
-    current = Plan(tuple(PlanStage(s.node_id, s.start, s.end) for s in serving), 0.0) if serving else None
+    current = committed_plan(serving) if serving else None
+    asked = model.parallelism if model.parallelism in PARALLELISM_CHOICES else "auto"
 
-    def plan_for(batch: int, on: list[NodeSpec]) -> Plan | None:
-        try:
-            return solve_placement(fit.model_spec(model, batch), on, links, current=current, margin=PLACEMENT_MARGIN)
-        except PlacementError:
-            return None
+    def plan_for(batch: int, on: tuple[NodeSpec, ...], parallelism: str) -> Plan | None:
+        return _solve(fit.model_spec(model, batch), on, links, current, parallelism)
 
-    # The Macs are chosen for speed, serving one request: concurrency never brings a slower
-    # Mac in. Then the KV cache for more requests at once goes where those Macs have room
-    # (their layers may be shared out again for it), as many as fit up to the model's batch.
-    single = plan_for(1, nodes)
+    # The Macs and the plan's shape (one Mac, a pipeline, tensor groups) are chosen for
+    # speed, serving one request: concurrency never brings a slower Mac in. Then the KV
+    # cache for more requests at once goes where those Macs have room, as many as fit up to
+    # the model's batch: a pipeline's layers may be shared out again for it (searched as a
+    # pipeline); tensor groups keep their Macs and layers (re-split per batch, cheap), so the
+    # costly tensor search runs once per change, not once per batch tried.
+    single = plan_for(1, tuple(nodes), asked)
+    if single is None and asked != "pipeline":
+        # The asked kind cannot be planned here (too few Macs, no tensor plan fits): serve as
+        # a pipeline rather than not at all; status shows what was chosen.
+        single = plan_for(1, tuple(nodes), "pipeline")
     if single is None:
         return (), 1  # fits nowhere, even serving one request at a time (core/fit.py says why)
-    chosen = {s.node_id for s in single.stages}
-    used = [n for n in nodes if n.node_id in chosen]
-    batch, plan = fit.largest_batch(max(1, model.batch), lambda b: single if b == 1 else plan_for(b, used))
+    chosen = {n for g in single.layout for n in g.node_ids}
+    used = tuple(n for n in nodes if n.node_id in chosen)
+
+    def batch_plan(b: int) -> Plan | None:
+        if b == 1:
+            return single
+        if single.groups:
+            return _repredict(fit.model_spec(model, b), used, links, single)
+        return plan_for(b, used, "pipeline")
+
+    batch, plan = fit.largest_batch(max(1, model.batch), batch_plan)
     assert plan is not None  # batch 1 is `single`
-    return tuple(Stage(NodeId(s.node_id), s.start, s.end) for s in plan.stages), batch
+    return committed_stages(plan), batch
+
+
+@lru_cache(maxsize=SOLVE_MEMO)
+def _solve(spec: ModelSpec, nodes: tuple[NodeSpec, ...], links: tuple[Link, ...], current: Plan | None,
+           parallelism: str) -> Plan | None:
+    """solve_placement on hashable inputs, memoized: the leader negotiates on every committed
+    change and most leave the planner's inputs as they were, while a tensor search costs tens
+    to hundreds of milliseconds (docs/placement.md, "Solve time"). Pure: the same inputs give
+    the same plan, cached or not. None when nothing of that parallelism fits."""
+    try:
+        return solve_placement(spec, nodes, links, current=current, margin=PLACEMENT_MARGIN, parallelism=parallelism)
+    except (PlacementError, ParallelismError):
+        return None
+
+
+@lru_cache(maxsize=SOLVE_MEMO)
+def _repredict(spec: ModelSpec, nodes: tuple[NodeSpec, ...], links: tuple[Link, ...], plan: Plan) -> Plan | None:
+    """The same groups re-split for another batch's KV cache; None when they no longer fit."""
+    try:
+        return predict_plan(spec, nodes, links, plan)
+    except ValueError:
+        return None
+
+
+def committed_stages(plan: Plan) -> tuple[Stage, ...]:
+    """A plan as committed: one Stage per rank, group-major; a tensor rank carries its share."""
+    out = []
+    for g in plan.layout:
+        if len(g.node_ids) == 1:
+            out.append(Stage(NodeId(g.node_ids[0]), g.start, g.end))
+            continue
+        for node, share in zip(g.node_ids, g.shares):
+            out.append(Stage(NodeId(node), g.start, g.end, share.heads, share.kv_heads, share.columns))
+    return tuple(out)
+
+
+def groups(stages: tuple[Stage, ...]) -> tuple[tuple[int, ...], ...]:
+    """The ranks of each group of committed stages: consecutive stages with the same
+    [start, end) (a pipeline never has two such stages, so each of its stages is a group)."""
+    out: list[tuple[int, ...]] = []
+    for rank, s in enumerate(stages):
+        if out and (stages[out[-1][0]].start, stages[out[-1][0]].end) == (s.start, s.end):
+            out[-1] = (*out[-1], rank)
+        else:
+            out.append((rank,))
+    return tuple(out)
+
+
+def parallelism(stages: tuple[Stage, ...]) -> str:
+    """"single", "pipeline", "tensor" or "hybrid" (core/placement.Plan.parallelism); "" for none."""
+    if not stages:
+        return ""
+    gs = groups(stages)
+    wide = any(len(g) > 1 for g in gs)
+    if len(gs) == 1:
+        return "tensor" if wide else "single"
+    return "hybrid" if wide else "pipeline"
+
+
+def committed_plan(stages: tuple[Stage, ...]) -> Plan:
+    """The planner's view of committed stages (hysteresis keeps it while it is good)."""
+    layout = []
+    for g in groups(stages):
+        first = stages[g[0]]
+        shares = tuple(Share(stages[r].heads, stages[r].kv_heads, stages[r].columns) for r in g) if len(g) > 1 else ()
+        layout.append(Group(tuple(stages[r].node_id for r in g), first.start, first.end, shares))
+    plan_stages = tuple(PlanStage(g.node_ids[0], g.start, g.end) for g in layout)
+    wide = any(len(g.node_ids) > 1 for g in layout)
+    return Plan(plan_stages, 0.0, 0.0, tuple(layout) if wide else ())
 
 
 def _address_identity(h: RingHop) -> RingHop:
@@ -107,22 +196,42 @@ def _address_identity(h: RingHop) -> RingHop:
 
 
 def pipeline_hops(state: ClusterState, stages: tuple[Stage, ...]) -> tuple[RingHop, ...]:
-    """The hop from each stage to the next (the last back to the first) with the addresses
-    the MLX ring backend will use: the cable between them when there is one, else the LAN
-    or control-plane path (core/physical.py describes hops the same way for the ring)."""
+    """The hops the epoch's workers use, with the addresses the MLX ring backend and the
+    side channel between groups will use: the cable between the pair when there is one, else
+    the LAN or control-plane path (core/physical.py describes hops the same way for the ring).
+
+    A pipeline: from each stage to the next (the last back to the first). With tensor
+    groups (``hop_pairs``): each group's own ring, each member to its group's head, and each
+    head to the next group's head (the last to the first)."""
     nodes = [s.node_id for s in stages]
     if len(nodes) < 2:
         return ()
     by_id = {m.node_id: m for m in state.members}
     links = physical.cables(state, [by_id[n] for n in nodes if n in by_id])
     out = []
-    for i, src in enumerate(nodes):
-        dst = nodes[(i + 1) % len(nodes)]
+    for src, dst in hop_pairs(stages):
         hop = physical.describe_hop(src, dst, links, by_id)
         if hop is None:
             continue
         out.append(_address_identity(hop))
     return tuple(out)
+
+
+def hop_pairs(stages: tuple[Stage, ...]) -> list[tuple[NodeId, NodeId]]:
+    """(src, dst) of every hop an epoch needs, each once, in a fixed order (pipeline_hops)."""
+    gs = groups(stages)
+    if all(len(g) == 1 for g in gs):
+        n = len(stages)
+        return [(stages[i].node_id, stages[(i + 1) % n].node_id) for i in range(n)] if n > 1 else []
+    pairs: list[tuple[NodeId, NodeId]] = []
+    for g in gs:
+        if len(g) > 1:
+            pairs += [(stages[r].node_id, stages[g[(j + 1) % len(g)]].node_id) for j, r in enumerate(g)]
+            pairs += [(stages[r].node_id, stages[g[0]].node_id) for r in g[1:]]
+    heads = [stages[g[0]].node_id for g in gs]
+    if len(heads) > 1:
+        pairs += [(h, heads[(i + 1) % len(heads)]) for i, h in enumerate(heads)]
+    return list(dict.fromkeys(pairs))
 
 
 def wanted_workers(state: ClusterState, me: NodeId) -> list[WantedWorker]:

@@ -110,6 +110,15 @@ class ModelInfo:
     batch: int = 1
     """Requests the cluster should serve at once: the placement reserves KV cache for this
     many contexts where memory allows, fewer where it does not (1 in records older than it)."""
+    # The shape tensor parallelism splits (config.json; 0 = unknown: then only one Mac or a
+    # pipeline is planned, as in records older than these fields).
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    intermediate_size: int = 0
+    parallelism: str = "auto"
+    """What the user asked for (core/placement.PARALLELISM_CHOICES): "auto", "pipeline",
+    "tensor" or "hybrid"; the committed placement says what the planner chose."""
 
 
 @register(9)
@@ -136,11 +145,19 @@ class MeasureFailed:
 @register(24)
 @dataclass(frozen=True, slots=True)
 class Stage:
-    """One pipeline stage: a member and its contiguous layers [start, end)."""
+    """One rank of a placement: a member and its contiguous layers [start, end). In a
+    pipeline every rank is a stage of its own. Consecutive ranks with the same [start, end)
+    form a tensor group (a pipeline never has two such stages), each rank running its share
+    of every layer of the range (core/dataplane.groups)."""
 
     node_id: NodeId
     start: int
     end: int
+    # A tensor rank's share of every layer (core/placement.Share); 0 = the whole layer (a
+    # pipeline stage, and records older than these fields).
+    heads: int = 0
+    kv_heads: int = 0
+    columns: int = 0
 
 
 @register(2)

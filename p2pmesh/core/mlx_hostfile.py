@@ -183,9 +183,15 @@ def _check_ports(base_port: int, count: int) -> None:
         raise MlxConfigError(f"ports {base_port}..{base_port + count - 1} are outside 1..{PORT_MAX}")
 
 
-def _ipv4(address: str | None, hop: RingHop, index: int, node: NodeId) -> str:
+def ipv4_of(address: str | None, hop: RingHop, node: NodeId) -> str:
+    """The address of ``node`` on ``hop`` (one of an epoch's hops, not of a ring's chain),
+    checked to be a usable IPv4 literal; MlxConfigError naming the hop otherwise."""
+    return _ipv4(address, hop, None, node)
+
+
+def _ipv4(address: str | None, hop: RingHop, index: int | None, node: NodeId) -> str:
     """The hop's address of `node`, checked to be usable by MLX's ring."""
-    side = f"hop {index} ({hop.src} -> {hop.dst}, {hop.kind}"
+    side = f"hop {'' if index is None else f'{index} '}({hop.src} -> {hop.dst}, {hop.kind}"
     side += f" {hop.src_interface}->{hop.dst_interface})" if hop.src_interface or hop.dst_interface else ")"
     if address is None:
         raise MlxConfigError(

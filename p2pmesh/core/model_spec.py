@@ -67,6 +67,13 @@ class ModelSpec:
     """Hidden state of one token as it crosses a hop."""
     tied: bool
     total_bytes: int
+    # The shape a tensor group splits (core/tensor_cost.py): query heads, KV heads and the
+    # MLP columns the workers cut (config.json's intermediate_size; an MoE's experts are cut
+    # in the same proportions). All 0 when config.json does not say them or they do not
+    # divide (then only one Mac or a pipeline is planned).
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    intermediate_size: int = 0
 
 
 def layer_index(name: str) -> int | None:
@@ -198,4 +205,20 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
         activation_bytes=hidden * dtype_bytes,
         tied=tied,
         total_bytes=sum(per_layer) + embed + head + norm,
+        **tensor_shape(c),
     )
+
+
+def tensor_shape(c: Mapping[str, Any]) -> dict[str, int]:
+    """num_attention_heads, num_key_value_heads and intermediate_size of a (text) config as
+    the planner splits them, or {} when one is missing or they do not divide (hidden size by
+    heads, heads by KV heads: the planner's ScenarioError)."""
+    try:
+        hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        kv = int(c.get("num_key_value_heads") or heads)
+        columns = int(c.get("intermediate_size") or 0)
+    except (KeyError, TypeError, ValueError):
+        return {}
+    if min(hidden, heads, kv, columns) <= 0 or hidden % heads or heads % kv:
+        return {}
+    return {"num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": columns}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from p2pmesh.core.placement import PARALLELISM_CHOICES
 from p2pmesh.core.protocol import BATCH_REQUESTS_MAX
 from p2pmesh.core.messages import (
     AppendEntries,
@@ -180,6 +181,25 @@ def model_problem(m: ModelInfo) -> str | None:
         return "model sizes must be positive (context_tokens and layer_bytes at least 1)"
     if not 1 <= m.batch <= BATCH_REQUESTS_MAX:
         return f"a model's batch (requests served at once) is 1 to {BATCH_REQUESTS_MAX}"
+    return shape_problem(m)
+
+
+SHAPE_MAX = 1 << 24
+"""A model's hidden size, heads and MLP columns are below this (the planner's own bound)."""
+
+
+def shape_problem(m: ModelInfo) -> str | None:
+    """Why a model's tensor shape or asked parallelism cannot be planned: all four shape
+    fields or none, each dividing as tensor groups split them (core/tensor_cost.py)."""
+    if m.parallelism not in PARALLELISM_CHOICES:
+        return f"parallelism must be one of {', '.join(PARALLELISM_CHOICES)}, not {m.parallelism!r}"
+    shape = (m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.intermediate_size)
+    if shape == (0, 0, 0, 0):
+        return None
+    if not all(1 <= v < SHAPE_MAX for v in shape):
+        return f"a model's shape (hidden size, heads, KV heads, MLP columns) is all 0 (unknown) or all in [1, {SHAPE_MAX})"
+    if m.hidden_size % m.num_attention_heads or m.num_attention_heads % m.num_key_value_heads:
+        return "a model's hidden size must be a multiple of its heads, and its heads of its KV heads"
     return None
 
 

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -116,6 +118,20 @@ def control_status(agent: AgentProc) -> dict[str, Any] | None:
         return Client(agent.state_dir / "agent.sock").status_object(timeout=2.0)
     except P2PMeshError:
         return None
+
+
+@contextmanager
+def formed_cluster(agents: list[AgentProc], timeout_s: float) -> Iterator[list[AgentProc]]:
+    """Start the agents, wait until they form one cluster of them all as voters, and stop
+    them all at the end."""
+    for a in agents:
+        a.start()
+    try:
+        wait_for(lambda: one_cluster(agents, len(agents)), timeout_s, f"one cluster of {len(agents)}")
+        yield agents
+    finally:
+        for a in agents:
+            a.stop()
 
 
 def one_cluster(agents: list[AgentProc], voters: int) -> dict[str, Any] | None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from p2pmesh.client import AgentNotRunning, BadRequest, Client, P2PMeshError
-from tests.agent.harness import AgentProc, free_port, one_cluster, wait_for
+from tests.agent.harness import AgentProc, formed_cluster, free_port, one_cluster, wait_for
 
 FORM_TIMEOUT_S = 30
 
@@ -32,14 +32,8 @@ def three(tmp_path: Path):  # type: ignore[no-untyped-def]
         a = AgentProc(tmp_path / f"r{i}", listens[i], peers=[x for x in listens if x != listens[i]], key_file=key)
         a.state_dir.mkdir()
         agents.append(a)
-    for a in agents:
-        a.start()
-    try:
-        wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
+    with formed_cluster(agents, FORM_TIMEOUT_S):
         yield agents
-    finally:
-        for a in agents:
-            a.stop()
 
 
 def test_members_and_log_answer_the_committed_state(three: list[AgentProc]) -> None:

@@ -24,7 +24,8 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from p2pmesh.core.mlx_hostfile import (
     ring_hostfile,
 )
 from p2pmesh.core.serving import WorkerCancel, WorkerCommand
+from p2pmesh.core.tensor_launch import rank_launch
 from p2pmesh.core.supervision import (  # noqa: F401 - request_outcome: re-exported
     HEARTBEAT_TIMEOUT_S,
     PROGRESS_TIMEOUT_S,
@@ -62,14 +64,15 @@ STOP_GRACE_S = 3.0
 LINE_BYTES_MAX = 1 << 20
 
 
-def worker_command(model: str, stages: Any, rank: int, backend: str, config: WorkersConfig, batch: int | None = None) -> list[str]:
+def worker_command(model: str, stages: Any, rank: int, backend: str, config: WorkersConfig, batch: int | None = None,
+                   extra: Sequence[str] = ()) -> list[str]:
     """The command line of one rank's worker process (worker/serve.py): it serves the
     placement's batch (the requests whose KV cache the placement reserved) at most, and this
-    agent's --max-batch at most."""
+    agent's --max-batch at most; ``extra``: the tensor groups' options (GroupLaunch.args)."""
     max_batch = config.max_batch if batch is None else max(1, min(config.max_batch, batch))
     return [sys.executable, "-m", "p2pmesh.worker.serve", "--model", model, "--stages", json.dumps(stages),
             "--rank", str(rank), "--backend", backend,
-            "--max-batch", str(max_batch), "--max-queue", str(config.max_queue)]
+            "--max-batch", str(max_batch), "--max-queue", str(config.max_queue), *extra]
 
 
 @dataclass
@@ -94,6 +97,8 @@ class GroupLaunch:
     files: dict[str, str]
     """name -> JSON content; written per epoch, their paths go into ``file_env[name]``."""
     file_env: dict[str, str]
+    args: tuple[str, ...] = ()
+    """Options for the worker's command line (tensor groups: core/tensor_launch.py)."""
 
 
 def group_launch(want: dataplane.WantedWorker, hops: Any, base_port: int, members: Any) -> GroupLaunch:
@@ -101,10 +106,24 @@ def group_launch(want: dataplane.WantedWorker, hops: Any, base_port: int, member
     enabled on both ends), else MLX's ring backend over TCP. Each rank's port comes from its
     own member's committed data port (`base_port`, this agent's --data-port, only for a
     member that published none). Raises MlxConfigError when the hops lack what the backend
-    needs (an address, an interface)."""
-    order = [s.node_id for s in want.stages]
-    ports = epoch_ports(order, members, want.epoch, base_port)
-    env = {"MLX_RANK": str(want.rank)}
+    needs (an address, an interface).
+
+    A pipeline: one group of all ranks. With tensor groups: one MLX group per tensor group
+    (its own ring; a rank alone has none), and the side channel's options (WORKER CONTRACT,
+    docs/inference.md "Tensor groups")."""
+    tensor = rank_launch(want.stages, want.rank, hops, members, want.epoch, base_port)
+    if tensor is None:
+        order = [s.node_id for s in want.stages]
+        return _mlx_group(order, want.rank, hops, epoch_ports(order, members, want.epoch, base_port), members, base_port)
+    if len(tensor.order) == 1:
+        return GroupLaunch("ring", {}, {}, {}, tensor.args)
+    launch = _mlx_group(list(tensor.order), tensor.index, tensor.hops, tensor.ports, members, base_port)
+    return replace(launch, args=tensor.args)
+
+
+def _mlx_group(order: list[NodeId], rank: int, hops: Any, ports: Sequence[int], members: Any, base_port: int) -> GroupLaunch:
+    """The backend, env and files of one MLX group: ``order`` with ``hops`` its ring."""
+    env = {"MLX_RANK": str(rank)}
     devices = jaccl_devices(order, hops)
     if devices is not None:
         rank0 = next((m for m in members if m.node_id == order[0]), None)
@@ -187,6 +206,7 @@ class Supervisor:
         env = dict(os.environ)
         stages = [[s.start, s.end] for s in want.stages]
         backend = "ring"
+        args: tuple[str, ...] = ()
         if len(want.stages) >= 2:
             try:
                 launch = group_launch(want, hops, self.config.base_port, members)
@@ -194,14 +214,14 @@ class Supervisor:
                 log.warning("cannot start the worker of epoch %d: %s", want.epoch, exc)
                 await self.inbox.put(self.book.could_not_start(want.epoch))
                 return
-            backend = launch.backend
+            backend, args = launch.backend, launch.args
             for name, content in launch.files.items():
                 path = cfg_dir / f"{name}-{want.epoch}.json"
                 path.write_text(content, encoding="utf-8")
                 env[launch.file_env[name]] = str(path)
             env.update(launch.env)
         model = model_dir(want.model, self.config.model_root, self.config.state_dir)
-        cmd = worker_command(model, stages, want.rank, backend, self.config, want.batch)
+        cmd = worker_command(model, stages, want.rank, backend, self.config, want.batch, args)
         log_file = open(cfg_dir / f"worker-{want.epoch}.log", "ab")  # noqa: SIM115 - owned by the process
         try:
             process = await trio.lowlevel.open_process(
