@@ -66,6 +66,8 @@ class MessagesBody(Struct, frozen=True, kw_only=True):
     top_k: int | None = None
     tools: list[Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    """Its `effort` is ignored (a hint); its `format` (structured output) is refused."""
 
 
 _FEATURES = ("top_k", "tools")
@@ -90,6 +92,8 @@ def parse_messages(raw: bytes) -> MessagesRequest:
     refuse_unsupported(body, _FEATURES)
     if body.thinking is not None and body.thinking.get("type") != "disabled":
         raise bad("thinking is not supported by this server", "thinking")
+    if body.output_config is not None and body.output_config.get("format") is not None:
+        raise bad("output_config.format (structured output) is not supported by this server", "output_config.format")
     messages = [ChatMessage("system", text_of(body.system))] if body.system else []
     messages += [ChatMessage(m.role, text_of(m.content)) for m in body.messages]
     return MessagesRequest(tuple(messages), body)

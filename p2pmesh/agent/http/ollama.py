@@ -113,7 +113,6 @@ _WHY = {
     "options.num_predict": f"-1, -2, or 1 to {protocol.GENERATE_TOKENS_MAX}",
     "options.seed": "-1 (random) or 0 to 2^31-1",
     "options.stop": f"at most {STOP_SEQUENCES_MAX} strings",
-    "model": "the model's name, as GET /api/tags lists it",
 }
 
 
