@@ -341,21 +341,25 @@ async def test_errors_before_and_during_a_stream_in_each_format(models: tuple[Pa
 
 
 @pytest.mark.trio
-async def test_hanging_up_an_ndjson_stream_closes_the_agents_iterator(models: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("api", ["ollama", "anthropic"])
+async def test_hanging_up_closes_the_agents_iterator_ndjson_or_sse(models: tuple[Path, Path], api: str) -> None:
     model = str(models[0])
     stub = Stub({"model": model, "serving": True}, forever=True)
     async with trio.open_nursery() as nursery:
         url = await _stub_server(nursery, stub)
+        _, claude, local = _urls(url)
 
-        def read_two_and_go() -> int:
-            stream = ollama.Client(host=url, timeout=WAIT_S).generate(model=model, prompt="p", raw=True, stream=True,
-                                                                      options={"num_predict": -1})
-            n = len([next(stream), next(stream)])
-            stream.close()
-            return n
+        def read_two_and_hang_up() -> list[Any]:
+            opened: Any = (local.generate(model=model, prompt="p", raw=True, stream=True, options={"num_predict": -1})
+                           if api == "ollama" else
+                           claude.messages.create(model="x", max_tokens=8000, stream=True,
+                                                  messages=[{"role": "user", "content": "p"}]))
+            first_two = [next(opened), next(opened)]
+            opened.close()
+            return first_two
 
-        assert await trio.to_thread.run_sync(read_two_and_go) == 2
+        first_two = await trio.to_thread.run_sync(read_two_and_hang_up)
         with trio.fail_after(WAIT_S):
-            await stub.closed.wait()
-        assert stub.requests[0]["prompt"] == "p" and stub.requests[0]["max_tokens"] == 8192
+            await stub.closed.wait()  # the agent's generate iterator was closed: the request is dropped
         nursery.cancel_scope.cancel()
+    assert len(first_two) == 2 and stub.requests[0]["max_tokens"] == (8192 if api == "ollama" else 8000)

@@ -23,13 +23,13 @@ from p2pmesh.agent.http.schema import (
     MESSAGES_MAX,
     STOP_SEQUENCES_MAX,
     ChatMessage,
+    Conversation,
     MaxTokens,
     PromptText,
     StopText,
     TopP,
     decode,
     make_options,
-    refuse_unsupported,
     text_of,
 )
 from p2pmesh.agent.http.stream import Event, Outcome
@@ -81,22 +81,15 @@ _WHY = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class MessagesRequest:
-    messages: tuple[ChatMessage, ...]
-    body: MessagesBody
-
-
-def parse_messages(raw: bytes) -> MessagesRequest:
-    body = decode(raw, MessagesBody, _WHY)
-    refuse_unsupported(body, _FEATURES)
+def parse_messages(raw: bytes) -> Conversation[MessagesBody]:
+    body = decode(raw, MessagesBody, _WHY, _FEATURES)
     if body.thinking is not None and body.thinking.get("type") != "disabled":
         raise bad("thinking is not supported by this server", "thinking")
     if body.output_config is not None and body.output_config.get("format") is not None:
         raise bad("output_config.format (structured output) is not supported by this server", "output_config.format")
     messages = [ChatMessage("system", text_of(body.system))] if body.system else []
     messages += [ChatMessage(m.role, text_of(m.content)) for m in body.messages]
-    return MessagesRequest(tuple(messages), body)
+    return Conversation(tuple(messages), body)
 
 
 async def messages(call: Call) -> None:

@@ -36,7 +36,6 @@ from p2pmesh.agent.http.schema import (
     TopP,
     decode,
     make_options,
-    refuse_unsupported,
 )
 from p2pmesh.agent.http.stream import Event, Outcome
 from p2pmesh.core import protocol
@@ -117,8 +116,7 @@ _WHY = {
 
 
 def _checked(raw: bytes, schema: type[ChatBody] | type[GenerateBody]) -> Any:
-    body = decode(raw, schema, _WHY)
-    refuse_unsupported(body, tuple(f for f in _FEATURES if hasattr(body, f)))
+    body = decode(raw, schema, _WHY, tuple(f for f in _FEATURES if hasattr(schema, f)))
     if body.format not in (None, ""):
         raise bad("format (structured outputs) is not supported by this server", "format")
     if isinstance(body, ChatBody) and any(m.images for m in body.messages or ()):

@@ -24,6 +24,7 @@ from p2pmesh.agent.http.schema import (
     DEFAULT_CHAT_MAX_TOKENS,
     MESSAGES_MAX,
     ChatMessage,
+    Conversation,
     MaxTokens,
     PromptText,
     Temperature,
@@ -31,7 +32,6 @@ from p2pmesh.agent.http.schema import (
     TopP,
     decode,
     make_options,
-    refuse_unsupported,
     text_of,
 )
 from p2pmesh.agent.http.stream import Event, Outcome
@@ -93,21 +93,14 @@ _WHY = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class ResponsesRequest:
-    messages: tuple[ChatMessage, ...]
-    body: ResponsesBody
-
-
-def parse_responses(raw: bytes) -> ResponsesRequest:
-    body = decode(raw, ResponsesBody, _WHY)
-    refuse_unsupported(body, _FEATURES)
+def parse_responses(raw: bytes) -> Conversation[ResponsesBody]:
+    body = decode(raw, ResponsesBody, _WHY, _FEATURES)
     messages = [ChatMessage("system", body.instructions)] if body.instructions is not None else []
     if isinstance(body.input, str):
         messages.append(ChatMessage("user", body.input))
     else:
         messages += [ChatMessage("system" if m.role == "developer" else m.role, text_of(m.content)) for m in body.input]
-    return ResponsesRequest(tuple(messages), body)
+    return Conversation(tuple(messages), body)
 
 
 async def create(call: Call) -> None:

@@ -18,7 +18,7 @@ import re
 import secrets
 from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -182,9 +182,24 @@ _FEATURES = ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "tools"
 B = TypeVar("B", bound=Struct)
 
 
-def decode(raw: bytes, schema: type[B], why: Mapping[str, str] | None = None) -> B:
+@dataclass(frozen=True, slots=True)
+class Conversation(Generic[B]):
+    """A chat-like request of any API: its messages as the chat template takes them, and its body."""
+
+    messages: tuple[ChatMessage, ...]
+    body: B
+
+
+def decode(raw: bytes, schema: type[B], why: Mapping[str, str] | None = None, refuse: tuple[str, ...] = ()) -> B:
     """A request body -> its schema's Struct, or an ApiError 400 naming the field at fault
-    (`why`: the schema's explanations, keyed as _WHY is; OpenAI's by default)."""
+    (`why`: the schema's explanations, keyed as _WHY is; OpenAI's by default). `refuse`: the
+    body's fields for features this server lacks (refuse_unsupported)."""
+    body = _decode(raw, schema, why)
+    refuse_unsupported(body, refuse)
+    return body
+
+
+def _decode(raw: bytes, schema: type[B], why: Mapping[str, str] | None) -> B:
     if not raw.strip():
         raise bad("the request needs a JSON object body")
     try:
