@@ -363,3 +363,70 @@ async def test_hanging_up_closes_the_agents_iterator_ndjson_or_sse(models: tuple
             await stub.closed.wait()  # the agent's generate iterator was closed: the request is dropped
         nursery.cancel_scope.cancel()
     assert len(first_two) == 2 and stub.requests[0]["max_tokens"] == (8192 if api == "ollama" else 8000)
+
+
+# ------------------------------------------------------------------------------------
+# In-process (no agent process, no tokenizer): bodies that are not JSON or too large, in each
+# API's format, and what a valid body becomes
+
+
+class _Agent:
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+
+    def status(self) -> dict[str, Any]:
+        return {"placement": {"model": "m", "serving": True}}
+
+    async def generate(self, request: dict[str, Any]) -> Any:
+        self.requests.append(request)
+        yield {"ok": True, "tokens": [5], "text": "ok", "final": True, "finish": "length"}
+
+
+def _in_process(path: str, body: bytes, **limits: Any) -> tuple[int, Any, list[dict[str, Any]]]:
+    from p2pmesh.agent.http import HttpApi, HttpLimits, Loaded, Tokenizers
+    from tests.fixtures.asgi import post
+
+    class NoTokenizers(Tokenizers):
+        async def get(self, name: str) -> Loaded:
+            return Loaded(None)
+
+    agent = _Agent()
+    app = HttpApi(agent, token=None, limits=HttpLimits(**limits))
+    app.tokenizers = NoTokenizers()
+    status, answer = trio.run(post, app, path, body)
+    assert app.active == 0
+    return status, json.loads(answer), agent.requests
+
+
+def test_bad_bodies_get_each_apis_error_format() -> None:
+    for path in ("/v1/messages", "/api/chat", "/v1/responses"):
+        status, answer, requests = _in_process(path, b"{not json")
+        assert status == 400 and requests == [] and "not valid JSON" in json.dumps(answer)
+        if path == "/v1/messages":
+            assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+        elif path == "/api/chat":
+            assert set(answer) == {"error"} and answer["error"].startswith("the body is not valid JSON")
+        else:
+            assert answer["error"]["param"] is None and answer["error"]["type"] == "invalid_request_error"
+    status, answer, _ = _in_process("/v1/messages", b"x" * 200, max_body_bytes=100)
+    assert status == 413 and answer["error"]["type"] == "request_too_large"
+    status, answer, _ = _in_process("/api/generate", b"x" * 200, max_body_bytes=100)
+    assert status == 413 and "larger than the limit" in answer["error"]
+
+
+def test_what_each_api_asks_the_agent_for() -> None:
+    body = {"model": "m", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "stop_sequences": ["END"],
+            "system": "s", "messages": [{"role": "user", "content": "u"}], "metadata": {"user_id": "ignored"}}
+    status, answer, requests = _in_process("/v1/messages", json.dumps(body).encode())
+    assert status == 200 and answer["content"] == [{"type": "text", "text": "ok"}]
+    assert answer["usage"] == {"input_tokens": None, "output_tokens": 1}  # no tokenizer: no prompt count
+    assert requests[0]["prompt"] == "system: s\nuser: u\nassistant:"
+    assert (requests[0]["max_tokens"], requests[0]["temperature"], requests[0]["top_p"]) == (7, 0.5, 0.9)
+    ollama_body = {"model": "m:latest", "prompt": "p", "raw": True, "stream": False,
+                   "options": {"num_predict": 5, "seed": 3, "temperature": 0, "num_ctx": 4096}}
+    status, answer, requests = _in_process("/api/generate", json.dumps(ollama_body).encode())
+    assert status == 200 and answer["response"] == "ok" and answer["done_reason"] == "length"
+    assert (requests[0]["prompt"], requests[0]["max_tokens"], requests[0]["seed"]) == ("p", 5, 3)
+    responses_body = {"input": "hi", "max_output_tokens": 9, "store": False, "reasoning": {"effort": "low"}}
+    status, answer, requests = _in_process("/v1/responses", json.dumps(responses_body).encode())
+    assert status == 200 and answer["output"][0]["content"][0]["text"] == "ok" and requests[0]["max_tokens"] == 9
