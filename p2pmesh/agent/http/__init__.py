@@ -1,8 +1,6 @@
-"""The agent's OpenAI-compatible HTTP API (docs/http.md): `serve_http` and the names the CLI,
-embedders and tests use. The modules: server.py (serving, routing, authentication, limits),
-config.py (settings and start-up checks), schema.py (the request bodies' msgspec schemas),
-bodies.py (OpenAI's error and response shapes), prompts.py (chat templates, token counts),
-stream.py (one response, one generation)."""
+"""The agent's HTTP API (docs/http.md): OpenAI's completions, chat and Responses, Anthropic's
+Messages and Ollama's API over one generation path; `serve_http` and the names the CLI,
+embedders and tests use. server.py's header lists the modules."""
 from __future__ import annotations
 
 from p2pmesh.agent.http.bodies import ApiError, api_error, generation_error
@@ -33,7 +31,8 @@ from p2pmesh.agent.http.schema import (
     parse_chat,
     parse_completion,
 )
-from p2pmesh.agent.http.server import HttpApi, Service, serve_http
+from p2pmesh.agent.http.call import Service
+from p2pmesh.agent.http.server import HttpApi, serve_http
 from p2pmesh.agent.http.stream import StopScanner
 
 __all__ = [

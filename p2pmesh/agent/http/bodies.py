@@ -1,10 +1,7 @@
-"""OpenAI's body shapes besides the requests (schema.py has those): the error body, the
-mapping of the agent's error codes to it, and the response objects (whole and streamed)."""
+"""The HTTP API's errors: `ApiError` (OpenAI's error body; each API's module renders it in
+its own format) and the mapping of the agent's error codes to it."""
 from __future__ import annotations
 
-import secrets
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from p2pmesh.core import protocol
@@ -55,55 +52,3 @@ def api_error(code: protocol.ErrorCode, message: str, param: str | None = None) 
         message = f"the generation failed: {message}"
     headers = (("retry-after", str(spec.retry_after_s)),) if spec.retry_after_s is not None else ()
     return ApiError(spec.http_status, message, param=param or spec.param, code=spec.http_code, headers=headers)
-
-
-# ------------------------------------------------------------------------------------
-# Responses: OpenAI's shapes
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """OpenAI's objects for one endpoint: "text_completion" or "chat.completion"."""
-
-    kind: str
-    model: str = ""
-    id: str = field(default_factory=lambda: secrets.token_hex(12))
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def with_model(self, model: str) -> Shape:
-        return Shape(self.kind, model, self.id, self.created)
-
-    @property
-    def chat(self) -> bool:
-        return self.kind == "chat.completion"
-
-    def _head(self, stream: bool) -> dict[str, Any]:
-        prefix = "chatcmpl-" if self.chat else "cmpl-"
-        obj = self.kind + ".chunk" if self.chat and stream else self.kind
-        return {"id": prefix + self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def whole(self, text: str, finish: str, usage: dict[str, Any]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {**self._head(False), "choices": [choice], "usage": usage}
-
-    def role_chunk(self) -> dict[str, Any] | None:
-        if not self.chat:
-            return None
-        return {**self._head(True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}]}
-
-    def chunk(self, text: str, finish: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if self.chat:
-            choice["delta"] = {"content": text} if text else {}
-        else:
-            choice["text"] = text
-        return {**self._head(True), "choices": [choice]}
-
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head(True), "choices": [], "usage": usage}
-

@@ -78,15 +78,16 @@ class Tokenizers:
             self._cache[name] = loaded
             return loaded
 
-    def _load(self, name: str) -> Loaded:
-        # Where this Mac's workers load the model from: its own directory (relative names
-        # under --model-root), else its copy from the other Macs, else the name (a hub id).
+    def locate(self, name: str) -> str:
+        """Where this Mac's workers load the model from: its own directory (relative names
+        under --model-root), else its copy from the other Macs, else the name (a hub id)."""
         if self.state_dir is not None:
-            local = models.model_dir(name, self.model_root, self.state_dir)
-        else:
-            local = models.located(name, self.model_root)
+            return models.model_dir(name, self.model_root, self.state_dir)
+        return models.located(name, self.model_root)
+
+    def _load(self, name: str) -> Loaded:
         try:
-            return Loaded(chat_template.load_tokenizer(models.resolve(local)))
+            return Loaded(chat_template.load_tokenizer(models.resolve(self.locate(name))))
         except Exception as exc:  # noqa: BLE001 - any failure: serve without counts or templates
             log.warning("cannot load the tokenizer of %s (no chat template, no prompt token counts): %s", name, exc)
             return Loaded(None)

@@ -5,7 +5,7 @@ The schema says every field's type and bounds (the bounds are core/protocol.py's
 msgspec checks them while it parses, and its error names the field's path, which becomes the
 400's `param` ("max_tokens", "messages[0].content[1].type"). What a schema cannot say stays
 in code here, each as one named rule: a prompt list is one string or token ids
-(`_one_prompt`), features this server lacks must be off (`_refuse_unsupported`).
+(`_one_prompt`), features this server lacks must be off (`refuse_unsupported`).
 
 Unknown fields are ignored everywhere, as OpenAI clients send fields we do not use (user,
 metadata, a message's name); only `response_format` forbids them, because anything beyond
@@ -17,7 +17,8 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from collections.abc import Mapping
+from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -182,17 +183,33 @@ _FEATURES = ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "tools"
 # ------------------------------------------------------------------------------------
 # Decoding (pure; every error names the field)
 
-B = TypeVar("B", bound=_Body)
+B = TypeVar("B", bound=Struct)
 
 
-def decode(raw: bytes, schema: type[B]) -> B:
-    """A request body -> its schema's Struct, or an ApiError 400 naming the field at fault."""
+@dataclass(frozen=True, slots=True)
+class Conversation(Generic[B]):
+    """A chat-like request of any API: its messages as the chat template takes them, and its body."""
+
+    messages: tuple[ChatMessage, ...]
+    body: B
+
+
+def decode(raw: bytes, schema: type[B], why: Mapping[str, str] | None = None, refuse: tuple[str, ...] = ()) -> B:
+    """A request body -> its schema's Struct, or an ApiError 400 naming the field at fault
+    (`why`: the schema's explanations, keyed as _WHY is; OpenAI's by default). `refuse`: the
+    body's fields for features this server lacks (refuse_unsupported)."""
+    body = _decode(raw, schema, why)
+    refuse_unsupported(body, refuse)
+    return body
+
+
+def _decode(raw: bytes, schema: type[B], why: Mapping[str, str] | None) -> B:
     if not raw.strip():
         raise bad("the request needs a JSON object body")
     try:
         return msgspec.json.decode(_utf8(raw), type=schema)
     except msgspec.ValidationError as exc:  # a DecodeError too: first
-        raise field_error(str(exc)) from None
+        raise field_error(str(exc), _WHY if why is None else why) from None
     except msgspec.DecodeError as exc:
         raise bad(f"the body is not valid JSON: {exc}") from None
     except RecursionError:  # the parser recurses: a few thousand brackets are enough
@@ -215,7 +232,7 @@ _AT = re.compile(r"^(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _FIELD = re.compile(r"^Object (?P<what>missing required|contains unknown) field `(?P<name>[^`]*)`$")
 
 
-def field_error(text: str) -> ApiError:
+def field_error(text: str, why: Mapping[str, str] = _WHY) -> ApiError:
     """msgspec's ValidationError text ("Expected `int` <= 8192 - at `$.max_tokens`") -> the
     400 with `param` set to the field's path ("max_tokens", "messages[0].role")."""
     m = _AT.match(text)
@@ -231,15 +248,15 @@ def field_error(text: str) -> ApiError:
         return bad("the body must be a JSON object" if detail.startswith("Expected `object`") else detail)
     else:
         message = f"{path}: {detail}"
-    why = _why(path)
-    return bad(f"{message} ({why})" if why else message, path)
+    reason = _why(path, why)
+    return bad(f"{message} ({reason})" if reason else message, path)
 
 
-def _why(path: str) -> str | None:
+def _why(path: str, why: Mapping[str, str]) -> str | None:
     key = re.sub(r"\[[^\]]*\]", "", path)
     while key:
-        if key in _WHY:
-            return _WHY[key]
+        if key in why:
+            return why[key]
         key = key.rpartition(".")[0]
     return None
 
@@ -258,7 +275,7 @@ def parse_completion(raw: bytes) -> CompletionRequest:
 def parse_chat(raw: bytes) -> ChatRequest:
     """POST /v1/chat/completions: `messages` with text content."""
     body = decode(raw, ChatBody)
-    messages = tuple(ChatMessage("system" if m.role == "developer" else m.role, _text(m.content)) for m in body.messages)
+    messages = tuple(ChatMessage("system" if m.role == "developer" else m.role, text_of(m.content)) for m in body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return ChatRequest(messages, _options(body, max_tokens, DEFAULT_CHAT_MAX_TOKENS))
 
@@ -275,7 +292,8 @@ def _one_prompt(prompt: str | list[str | int]) -> tuple[str | None, tuple[int, .
     raise bad("prompt must be a string, or a list of token ids (one prompt per request)", "prompt")
 
 
-def _text(content: str | list[TextPart] | None) -> str:
+def text_of(content: str | list[Any] | None) -> str:
+    """A message's text: a string, or its text parts (any API's; each has `.text`) joined."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -283,26 +301,33 @@ def _text(content: str | list[TextPart] | None) -> str:
     return "".join(part.text for part in content)
 
 
-def _refuse_unsupported(body: _Body) -> None:
+def refuse_unsupported(body: Struct, features: tuple[str, ...] = _FEATURES) -> None:
     """Rule: a feature this server lacks must be off (null, false, 0, empty, "none"; also
     "auto" for tool_choice), since honouring it would change the answer. Bounds the schema
     can say (n, best_of, the penalties, response_format) are in the schema."""
-    for key in _FEATURES:
+    for key in features:
         value = getattr(body, key)
         if value not in _OFF and not (key == "tool_choice" and value == "auto"):
             raise bad(f"{key} is not supported by this server", key)
 
 
 def _options(body: _Body, max_tokens: int | None, default_max_tokens: int) -> Options:
-    _refuse_unsupported(body)
-    stop = body.stop
+    refuse_unsupported(body)
+    return make_options(max_tokens, default_max_tokens, body.temperature, body.top_p, body.seed, bool(body.stream),
+                        body.stop, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+
+
+def make_options(max_tokens: int | None, default_max_tokens: int, temperature: float | None, top_p: float | None,
+                 seed: int | None, stream: bool, stop: str | list[str] | None = None, *,
+                 include_usage: bool = False) -> Options:
+    """Options from a body's (checked) fields, with the defaults every API shares."""
     return Options(
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
         # OpenAI's default is sampling without a fixed seed: draw one, so two unseeded requests differ.
-        seed=secrets.randbelow(SEED_LIMIT) if body.seed is None else body.seed,
-        stream=bool(body.stream),
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        seed=secrets.randbelow(SEED_LIMIT) if seed is None else seed,
+        stream=stream,
+        include_usage=include_usage,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
     )

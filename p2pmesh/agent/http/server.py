@@ -1,12 +1,14 @@
-"""The agent's HTTP API: an OpenAI-compatible front door to the cluster (docs/http.md).
+"""The agent's HTTP API: the cluster's front door for the tools people plug in (docs/http.md).
 
 This module owns the serving and the routing: a hand-written ASGI app served by hypercorn's
-trio worker, the endpoints (`GET /health`, `GET /v1/models`, `GET /v1/cluster`,
-`POST /v1/completions`, `POST /v1/chat/completions`, the last two also as server-sent
-events), authentication, limits and reading bodies. Beside it: config.py (settings and the
-start-up checks), schema.py (the request bodies' schemas), bodies.py (OpenAI's response shapes,
-errors), prompts.py
-(chat templates, token counts), stream.py (one response, one generation).
+trio worker, the route table (`ROUTES`: each path's methods, handler and API), authentication
+and the bound on requests in flight. The APIs, each in its own module: completions.py
+(OpenAI's models, completions and chat completions), responses.py (OpenAI Responses),
+anthropic.py (Anthropic Messages), ollama.py (Ollama's chat, generate, tags, show). Beside
+them: call.py (one request: body, prompts, generation), config.py (settings and the start-up
+checks), schema.py (the OpenAI bodies' schemas and the shared decoding), bodies.py (errors),
+prompts.py (chat templates, token counts), stream.py (one response, one generation, in any
+API's format).
 
 Generation itself is the agent's `generate` op, the same one `p2pmesh generate` uses over the
 control socket: this module never talks to workers or to the core.
@@ -22,32 +24,25 @@ import hashlib
 import hmac
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
-from p2pmesh.agent.http.bodies import ApiError, Shape
-from p2pmesh.agent.http.schema import Options, parse_chat, parse_completion
+from p2pmesh.agent.http import anthropic, completions, ollama, responses
+from p2pmesh.agent.http.bodies import ApiError
+from p2pmesh.agent.http.call import Call, ClientGone, Service
 from p2pmesh.agent.http.config import HttpBindError, HttpLimits, check_bind
-from p2pmesh.agent.http.prompts import Prompt, Tokenizers
-from p2pmesh.agent.http.stream import Receive, Reply, Run, Send
+from p2pmesh.agent.http.prompts import Tokenizers
+from p2pmesh.agent.http.stream import ErrorBody, Receive, Reply, Send
 
 log = logging.getLogger("p2pmesh.http")
 
 
 # ------------------------------------------------------------------------------------
 # Serving
-
-
-class Service(Protocol):
-    """What the API needs of the agent: its `status` and `generate` control ops (the agent's
-    runtime, or a stub in tests). Nothing else: the API never touches the core."""
-
-    def status(self) -> dict[str, Any]: ...
-
-    def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
 
 
 async def serve_http(
@@ -127,13 +122,61 @@ def _bind(host: str, port: int) -> int:
 # ------------------------------------------------------------------------------------
 # The ASGI application
 
-ROUTES: dict[str, tuple[str, ...]] = {
-    "/health": ("GET",),
-    "/v1/models": ("GET",),
-    "/v1/cluster": ("GET",),
-    "/v1/completions": ("POST",),
-    "/v1/chat/completions": ("POST",),
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One endpoint: its methods, its handler, and the error body of the API it belongs to."""
+
+    methods: tuple[str, ...]
+    handle: Callable[[Call], Awaitable[None]]
+    errors: ErrorBody = ApiError.body
+    counted: bool = True
+    """Counts against HttpLimits.max_concurrent (not /health, so a saturated agent can be probed)."""
+
+
+async def _health(call: Call) -> None:
+    s = call.status()
+    await call.json({"ok": True, "node_id": s.get("node_id"), "role": s.get("role"), "healthy": bool(s.get("healthy")),
+                     "serving": bool((s.get("placement") or {}).get("serving"))})
+
+
+async def _cluster(call: Call) -> None:
+    s = call.status()
+    # Local details (pid, state directory) stay on the control socket.
+    keys = ("node_id", "cluster_id", "role", "term", "leader", "healthy", "commit_index", "applied_index",
+            "members", "ring", "placement", "requests")
+    await call.json({k: s.get(k) for k in keys})
+
+
+ROUTES: dict[str, Route] = {
+    "/health": Route(("GET",), _health, counted=False),
+    "/v1/cluster": Route(("GET",), _cluster),
+    # OpenAI (completions.py, responses.py)
+    "/v1/models": Route(("GET",), completions.models),
+    "/v1/completions": Route(("POST",), completions.completions),
+    "/v1/chat/completions": Route(("POST",), completions.chat),
+    "/v1/responses": Route(("POST",), responses.create),
+    # Anthropic (anthropic.py)
+    "/v1/messages": Route(("POST",), anthropic.messages, anthropic.error_body),
+    # Ollama (ollama.py)
+    "/api/chat": Route(("POST",), ollama.chat, ollama.error_body),
+    "/api/generate": Route(("POST",), ollama.generate, ollama.error_body),
+    "/api/tags": Route(("GET",), ollama.tags, ollama.error_body),
+    "/api/show": Route(("POST",), ollama.show, ollama.error_body),
+    "/api/version": Route(("GET",), ollama.version, ollama.error_body),
 }
+
+
+def _errors_for(path: str) -> ErrorBody:
+    """The error body for a path: its route's, else by the API its prefix names."""
+    route = ROUTES.get(path)
+    if route is not None:
+        return route.errors
+    if path.startswith("/api/"):
+        return ollama.error_body
+    if path.startswith("/v1/messages"):
+        return anthropic.error_body
+    return ApiError.body
 
 
 class HttpApi:
@@ -158,26 +201,30 @@ class HttpApi:
             return
         method, path = scope["method"], scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        reply = Reply(send, unread=headers.get("content-length", "0").strip() != "0" or "transfer-encoding" in headers)
+        reply = Reply(send, unread=headers.get("content-length", "0").strip() != "0" or "transfer-encoding" in headers,
+                      errors=_errors_for(path))
         try:
             self._authenticate(headers)
-            allowed = ROUTES.get(path)
-            if allowed is None:
+            route = ROUTES.get(path)
+            if route is None:
                 raise ApiError(404, f"no endpoint {path} (this server has {', '.join(ROUTES)})", code="unknown_url")
-            if method not in allowed:
-                raise ApiError(405, f"{path} takes {' or '.join(allowed)}, not {method}", code="method_not_allowed",
-                               headers=(("allow", ", ".join(allowed)),))
-            if path == "/health":
-                await reply.json(200, self._health())
+            if method not in route.methods:
+                raise ApiError(405, f"{path} takes {' or '.join(route.methods)}, not {method}", code="method_not_allowed",
+                               headers=(("allow", ", ".join(route.methods)),))
+            call = Call(self.agent, self.tokenizers, self.limits, headers, receive, reply)
+            if not route.counted:
+                await route.handle(call)
                 return
             if self.active >= self.limits.max_concurrent:
                 raise ApiError(429, f"too many concurrent requests (at most {self.limits.max_concurrent}); retry shortly",
                                code="too_many_requests", headers=(("retry-after", "1"),))
             self.active += 1
             try:
-                await self._dispatch(path, headers, receive, reply)
+                await route.handle(call)
             finally:
                 self.active -= 1
+        except ClientGone:
+            return  # the client went away while sending its request
         except ApiError as exc:
             if reply.started:
                 log.warning("HTTP %s %s failed after the response started: %s", method, path, exc.message)
@@ -189,109 +236,18 @@ class HttpApi:
                 await reply.error(ApiError(500, "internal error in the agent's HTTP API (see the agent's log)"))
 
     def _authenticate(self, headers: dict[str, str]) -> None:
+        """The token as `Authorization: Bearer <token>` (OpenAI's and Ollama's clients) or as
+        `x-api-key: <token>` (Anthropic's)."""
         if self._token_digest is None:
             return
         scheme, _, given = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" and "x-api-key" in headers:
+            scheme, given = "bearer", headers["x-api-key"]
         given = given.strip()
         ok = scheme.lower() == "bearer" and hmac.compare_digest(hashlib.sha256(given.encode()).digest(), self._token_digest)
         if not ok:
-            raise ApiError(401, "missing or wrong token: send the header `Authorization: Bearer <token>`",
-                           code="invalid_api_key", headers=(("www-authenticate", "Bearer"),))
-
-    async def _dispatch(self, path: str, headers: dict[str, str], receive: Receive, reply: Reply) -> None:
-        if path == "/v1/models":
-            await reply.json(200, self._models())
-        elif path == "/v1/cluster":
-            await reply.json(200, self._cluster())
-        else:
-            body = await self._read_body(headers, receive, reply)
-            if body is None:
-                return  # the client went away while sending its request
-            if path == "/v1/completions":
-                c = parse_completion(body)
-                model = _serving_model(self.agent.status())
-                prompt = (Prompt(None, c.prompt_tokens, len(c.prompt_tokens)) if c.prompt is None
-                          else Prompt(c.prompt, (), await self.tokenizers.count(model, c.prompt)))
-                await self._generation(model, prompt, c.options, Shape("text_completion"), receive, reply)
-            else:
-                r = parse_chat(body)
-                model = _serving_model(self.agent.status())  # 503 before loading a template
-                prompt = await self.tokenizers.chat_prompt(model, r.messages)
-                await self._generation(model, prompt, r.options, Shape("chat.completion"), receive, reply)
-
-    # -- reading requests ------------------------------------------------------------
-
-    async def _read_body(self, headers: dict[str, str], receive: Receive, reply: Reply) -> bytes | None:
-        """The body's bytes (None: the client went away), bounded in size and time; schema.py
-        parses them."""
-        limit = self.limits.max_body_bytes
-        declared = headers.get("content-length")
-        if declared is not None:
-            if not declared.strip().isdigit():
-                raise ApiError(400, "Content-Length is not a number")
-            if int(declared) > limit:
-                raise ApiError(413, f"request body of {declared} bytes is larger than the limit of {limit} bytes",
-                               code="request_too_large")
-        chunks: list[bytes] = []
-        size = 0
-        with trio.move_on_after(self.limits.body_timeout_s) as scope:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return None
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-        if scope.cancelled_caught:
-            raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s", code="timeout")
-        reply.unread = False
-        return b"".join(chunks)
-
-    # -- the cheap endpoints ------------------------------------------------------------
-
-    def _health(self) -> dict[str, Any]:
-        s = self.agent.status()
-        return {"ok": True, "node_id": s.get("node_id"), "role": s.get("role"), "healthy": bool(s.get("healthy")),
-                "serving": bool((s.get("placement") or {}).get("serving"))}
-
-    def _models(self) -> dict[str, Any]:
-        placement = self.agent.status().get("placement") or {}
-        name = placement.get("model")
-        data = [] if name is None else [{"id": name, "object": "model", "created": 0, "owned_by": "p2pmesh",
-                                         "serving": bool(placement.get("serving"))}]
-        return {"object": "list", "data": data}
-
-    def _cluster(self) -> dict[str, Any]:
-        s = self.agent.status()
-        # Local details (pid, state directory) stay on the control socket.
-        keys = ("node_id", "cluster_id", "role", "term", "leader", "healthy", "commit_index", "applied_index",
-                "members", "ring", "placement", "requests")
-        return {k: s.get(k) for k in keys}
-
-    # -- generation -------------------------------------------------------------------
-
-    async def _generation(self, model: str, prompt: Prompt, options: Options, shape: Shape, receive: Receive,
-                          reply: Reply) -> None:
-        request: dict[str, Any] = {
-            "prompt": prompt.text, "prompt_tokens": list(prompt.tokens) or None, "max_tokens": options.max_tokens,
-            "temperature": options.temperature, "top_p": options.top_p, "seed": options.seed,
-        }
-        events = self.agent.generate(request)
-        run = Run(events, options, shape.with_model(model), prompt.count, self.limits.stream_idle_timeout_s)
-        try:
-            async with trio.open_nursery() as nursery:
-                # A client that hangs up cancels the generation (the finally closes the
-                # agent's iterator, which forgets the request).
-                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-                await run.respond(reply)
-                nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
-                await events.aclose()  # type: ignore[attr-defined]
+            raise ApiError(401, "missing or wrong token: send the header `Authorization: Bearer <token>` (or "
+                                "`x-api-key: <token>`)", code="invalid_api_key", headers=(("www-authenticate", "Bearer"),))
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
@@ -302,26 +258,3 @@ async def _lifespan(receive: Receive, send: Send) -> None:
         elif message["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
             return
-
-
-async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
-
-
-def _serving_model(status: dict[str, Any]) -> str:
-    """The model to generate with, or 503 saying why there is none."""
-    placement = status.get("placement") or {}
-    name = placement.get("model")
-    if name is None:
-        raise ApiError(503, "no model is serving: choose one with `p2pmesh model set NAME`", code="no_model")
-    problem = placement.get("problem")
-    if problem and not placement.get("serving"):  # core/fit.py: retrying will not help until the cluster changes
-        raise ApiError(503, str(problem.get("message")), code=str(problem.get("code")))
-    if not placement.get("serving"):
-        raise ApiError(503, f"the model {name} is not serving yet (being placed or loaded, or a Mac holding a stage "
-                            f"is down); retry shortly", code="model_not_serving", headers=(("retry-after", "2"),))
-    return str(name)
