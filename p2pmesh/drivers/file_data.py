@@ -130,13 +130,19 @@ async def _blocking(stream: trio.SocketStream, work: Callable[[socket.socket], T
                 except OSError:
                     pass
 
+    error: Exception | None = None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(shut_on_cancel)
         try:
-            return await trio.to_thread.run_sync(run)
+            result = await trio.to_thread.run_sync(run)
+        except Exception as exc:  # noqa: BLE001 - raised below, as itself and not in a group
+            error = exc
         finally:
             finished = True
             nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result
 
 
 async def send_range(stream: trio.SocketStream, f: BinaryIO, offset: int, count: int) -> None:

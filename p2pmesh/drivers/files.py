@@ -451,10 +451,12 @@ class Source:
 
 @dataclass(eq=False)
 class CopyProgress:
-    """Bytes of a file copy done and in all (updated from the receive threads; read anywhere)."""
+    """Bytes of a file copy done and in all (updated from the receive threads; read anywhere),
+    and of those done, how many a previous copy had left (resumed)."""
 
     done: int = 0
     total: int = 0
+    kept: int = 0
 
 
 async def _session(host: str, port: int, client_ctx: ssl.SSLContext, expected: str,
@@ -655,6 +657,8 @@ async def _receive(get: _Get, others: list[Source], client_ctx: ssl.SSLContext, 
     sink = Sink(dest_dir / f"{name}.partial", size, digest, checkpoint_bytes=checkpoint_bytes, on_bytes=count)
     kept = await trio.to_thread.run_sync(sink.open)
     count(kept)
+    if progress is not None:
+        progress.kept = kept
     keep = True
     try:
         if kept:
