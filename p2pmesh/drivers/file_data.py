@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO, TypeVar
@@ -168,22 +169,34 @@ async def open_data(host: str, port: int, token: bytes) -> trio.SocketStream:
 
 async def receive_range(stream: trio.SocketStream, sink: Sink, offset: int, count: int) -> None:
     """Receive bytes [offset, offset + count) of the file into the sink. ConnectionError
-    when the connection ends early, TimeoutError when it stalls for IDLE_S."""
+    when the connection ends early, TimeoutError when it stalls for IDLE_S. Two buffers:
+    one fills from the socket while the other is written and hashed in a second thread
+    (hashlib and pwrite release the GIL), so the hash costs no time on two cores."""
     def work(sock: socket.socket) -> None:
-        buf = memoryview(bytearray(min(RECV_BYTES, count)))
-        pos, end = offset, offset + count
-        while pos < end:
-            want = min(len(buf), end - pos)
-            filled = 0
+        size = min(RECV_BYTES, count)
+        buffers = [memoryview(bytearray(size)), memoryview(bytearray(size))]
+        pending: list[Future[None]] = [Future(), Future()]
+        for f in pending:
+            f.set_result(None)
+        pos, end, turn = offset, offset + count, 0
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2pmesh-copy") as writer:
             try:
-                while filled < want:
-                    n = sock.recv_into(buf[filled:want])
-                    if n == 0:
-                        raise ConnectionError(f"the data connection closed with {end - pos - filled} bytes to come")
-                    filled += n
+                while pos < end:
+                    pending[turn].result()  # this buffer's last write is done (or raises)
+                    buf, want, filled = buffers[turn], min(size, end - pos), 0
+                    try:
+                        while filled < want:
+                            n = sock.recv_into(buf[filled:want])
+                            if n == 0:
+                                raise ConnectionError(f"the data connection closed with {end - pos - filled} bytes to come")
+                            filled += n
+                    finally:
+                        if filled:  # also on a failure: kept for a later resume
+                            pending[turn] = writer.submit(sink.write, pos, buf[:filled])
+                    pos += filled
+                    turn = 1 - turn
             finally:
-                if filled:
-                    sink.write(pos, buf[:filled])  # also on a failure: kept for a later resume
-            pos += filled
+                for f in pending:
+                    f.result()
 
     await _blocking(stream, work)
