@@ -59,7 +59,7 @@ async def _raw_get(port: int, client: Member, request: list[str], version: int) 
 
 
 @pytest.mark.trio
-async def test_the_bytes_travel_outside_tls_and_the_token_opens_one_data_connection_only(tmp_path: Path) -> None:
+async def test_the_bytes_travel_outside_tls_the_token_opens_one_data_connection_and_version_2_is_served(tmp_path: Path) -> None:
     server, client = Member(), Member()
     model = _model(tmp_path)
     data = (model / WEIGHTS).read_bytes()
@@ -86,21 +86,11 @@ async def test_the_bytes_travel_outside_tls_and_the_token_opens_one_data_connect
             assert await stream.receive_some(16) == b""  # and its data connection, nothing more sent
             for s in (wrong, stream, again, tls):
                 await trio.aclose_forcefully(s)
-            nursery.cancel_scope.cancel()
-
-
-@pytest.mark.trio
-async def test_a_version_2_client_is_still_served(tmp_path: Path) -> None:
-    server, client = Member(), Member()
-    model = _model(tmp_path)
-    data = (model / WEIGHTS).read_bytes()
-    with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            port = await _serve(nursery, server, model)
+            # A version 2 client is still served: the whole file inside TLS, then its SHA-256.
             tls = await _raw_get(port, client, ["get", "tiny", WEIGHTS], 2)
             head = await recv_exactly(tls, 9)
             assert head[0] == 0 and int.from_bytes(head[1:], "big") == len(data)
-            assert await recv_exactly(tls, len(data)) == data  # inside the TLS session
+            assert await recv_exactly(tls, len(data)) == data
             assert await recv_exactly(tls, 32) == hashlib.sha256(data).digest()
             await trio.aclose_forcefully(tls)
             nursery.cancel_scope.cancel()
