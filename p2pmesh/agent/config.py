@@ -50,6 +50,9 @@ class AgentConfig:
     """Requests its head worker holds waiting for a slot; beyond them a request gets busy."""
     http: HttpEndpoint | None = None
     """Where to serve the OpenAI-compatible HTTP API (docs/http.md); None: not served."""
+    copy_over_tls: bool = False
+    """Model-file bytes travel inside TLS, both ways (confidential, slower); default: over a
+    plain TCP connection tied to the TLS session, checked by SHA-256 (docs/security.md)."""
 
     @property
     def socket_path(self) -> Path:

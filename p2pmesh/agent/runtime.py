@@ -172,7 +172,7 @@ class Agent:
             except OSError as exc:
                 log.warning("cannot share model files on %s port %d: %s", host or "*", port, exc)
         if file_listeners:
-            await nursery.start(files.serve_files, file_listeners, server_ctx,
+            await nursery.start(partial(files.serve_files, tls_only=self.config.copy_over_tls), file_listeners, server_ctx,
                                 lambda name: peer_copy.lookup(self.view, self.places, name))
 
     @staticmethod
@@ -228,7 +228,7 @@ class Agent:
                                             model_root=cfg.model_root, state_dir=cfg.state_dir))
             # The tasks: each gets the view, the inbox and its own config, never this object.
             inbox, view = self.inbox_port, self.view
-            copier = peer_copy.PeerCopy(view, self.places, client_ctx)
+            copier = peer_copy.PeerCopy(view, self.places, client_ctx, over_tls=cfg.copy_over_tls)
             nursery.start_soon(links.watch_ports, inbox, cfg.interfaces)
             nursery.start_soon(links.probes, view, inbox, links.ProbeConfig(
                 bound_port + links.PROBE_PORT_OFFSET, *self.credentials.contexts()))

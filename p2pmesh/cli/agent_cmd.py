@@ -3,7 +3,7 @@
   p2pmesh agent [--state-dir DIR] [--listen HOST:PORT]... [--interface NAME]... [--peer HOST:PORT]...
                 [--cluster-key-file FILE] [--advertise HOST:PORT]... [--leave-on-exit] [--http HOST:PORT]
                 [--memory-limit BYTES] [--layer-ms MS] [--max-batch N] [--max-queue N] [--model-root DIR]
-                [--configure-links]
+                [--configure-links] [--copy-over-tls]
                 [--log-level LEVEL] [--log-format text|json]
 
 This module turns the options into an AgentConfig and runs p2pmesh.agent.run_agent (agent/runtime.py) under
@@ -68,6 +68,9 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="add the data-plane IPv4 addresses `p2pmesh links plan` prints (never done without this flag)",
     )
+    agent.add_argument("--copy-over-tls", action="store_true",
+                       help="copy model files inside TLS, both ways (confidential; slower than the default, a plain "
+                            "TCP connection tied to the TLS session and checked by SHA-256)")
     agent.add_argument("--memory-limit", type=int, default=None, metavar="BYTES",
                        help="offer at most this much memory for model layers (default: what the Mac allows)")
     agent.add_argument("--layer-ms", type=_positive_ms, default=None, metavar="MS",
@@ -123,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         data_port_base=args.data_port,
         model_root=args.model_root,
         http=http,
+        copy_over_tls=args.copy_over_tls,
     )
     try:
         return trio.run(run_agent, config)

@@ -5,7 +5,7 @@ output is drawn with rich and is plain text in a pipe.
 
   p2pmesh agent [--state-dir DIR] [--listen HOST:PORT] [--interface NAME]... [--peer HOST:PORT]...
                 [--cluster-key-file FILE] [--advertise HOST:PORT]... [--leave-on-exit] [--http HOST:PORT]
-                [--memory-limit BYTES] [--layer-ms MS] [--model-root DIR] [--configure-links] [--log-level LEVEL] [--log-format text|json]
+                [--memory-limit BYTES] [--layer-ms MS] [--model-root DIR] [--configure-links] [--copy-over-tls] [--log-level LEVEL] [--log-format text|json]
   p2pmesh status | members [--state-dir DIR | --socket PATH] [--json]
   p2pmesh ring [--json | --mlx-hostfile | --jaccl]          (the committed ring, drawn with its cables)
   p2pmesh ring solve GRAPH.json [--json]                      (plan a cabling)

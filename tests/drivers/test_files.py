@@ -25,6 +25,7 @@ from p2pmesh.drivers.files import (
     servable,
     write_manifest,
 )
+from p2pmesh.drivers.streams import recv_exactly
 from tests.drivers.test_probe import OTHER_KEY, Member
 
 HEADER = struct.Struct(">4sBH")
@@ -240,7 +241,7 @@ async def test_sessions_beyond_the_limit_are_told_busy(tmp_path: Path) -> None:
 async def test_garbage_requests_end_their_session_and_the_server_keeps_serving(tmp_path: Path) -> None:
     server, client = Member(), Member()
     model = _model(tmp_path)
-    bodies = [b"", b"\x00" * 7, HEADER.pack(b"XXXX", VERSION, 0), HEADER.pack(MAGIC, 9, 0),
+    bodies = [b"", b"\x00" * 7, HEADER.pack(b"XXXX", VERSION, 0),
               HEADER.pack(MAGIC, VERSION, 60000), HEADER.pack(MAGIC, VERSION, 3) + b"\xc1\xc1\xc1",
               HEADER.pack(MAGIC, VERSION, 3) + msgpack.packb([1, 2]),
               HEADER.pack(MAGIC, VERSION, len(msgpack.packb(["put", "x"]))) + msgpack.packb(["put", "x"])]
@@ -261,5 +262,13 @@ async def test_garbage_requests_end_their_session_and_the_server_keeps_serving(t
                     except trio.BrokenResourceError:
                         pass
                 await trio.aclose_forcefully(tls)
+            # An unknown version is refused clearly: status 3, then the highest version spoken.
+            tcp = await trio.open_tcp_stream("127.0.0.1", port)
+            tls = trio.SSLStream(tcp, client.client_ctx, server_hostname="p2pmesh")
+            await tls.do_handshake()
+            await tls.send_all(HEADER.pack(MAGIC, 9, 0))
+            with trio.fail_after(5):
+                assert await recv_exactly(tls, 2) == bytes([3, VERSION])
+            await trio.aclose_forcefully(tls)
             assert "config.json" in await list_files("127.0.0.1", port, client.client_ctx, server.node_id, "tiny")
             nursery.cancel_scope.cancel()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,15 @@ from p2pmesh.agent.ports import ClusterView
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import ClusterState
 from p2pmesh.drivers import model_files
-from p2pmesh.drivers.files import FileCopyError, fetch_file, list_files, read_manifest, write_manifest
+from p2pmesh.drivers.files import (
+    CopyProgress,
+    FileCopyError,
+    Source,
+    fetch_file,
+    list_files,
+    read_manifest,
+    write_manifest,
+)
 
 log = logging.getLogger("p2pmesh.peer_copy")
 
@@ -40,6 +49,9 @@ FILES_PORT_OFFSET = 2
 PEERS_TRIED_MAX = 16
 COPIES_CONCURRENT = 3
 """Files copied at once (a member serves at most 4 sessions: drivers/files.SESSIONS_MAX)."""
+STRIPES_MAX = 4
+"""Sessions one file is striped over: its holders, each at each of its addresses (cables).
+A source that is busy or fails drops out; the others take its pieces."""
 BUSY_ROUNDS_MAX = 12
 BUSY_WAIT_S = 0.2
 """A member busy sending to other Macs is asked again after 0.2 s, doubling up to 5 s: up to
@@ -89,11 +101,21 @@ class PeerCopy:
     """This Mac's copies of models from the other Macs, one copy of a model at a time
     (measure and fetch could otherwise write the same file)."""
 
-    def __init__(self, view: ClusterView, places: ModelPlaces, client_ctx: ssl.SSLContext) -> None:
+    def __init__(self, view: ClusterView, places: ModelPlaces, client_ctx: ssl.SSLContext, *,
+                 over_tls: bool = False) -> None:
         self.view = view
         self.places = places
         self.client_ctx = client_ctx
+        self.over_tls = over_tls
+        """The bytes travel inside TLS (--copy-over-tls) instead of a plain TCP data connection."""
+        self.copies: dict[str, CopyProgress] = {}
+        """The files being copied now ("model: file" -> bytes done and in all)."""
         self._locks: dict[str, trio.Lock] = {}
+
+    def progress(self) -> tuple[int, int]:
+        """Bytes done and in all of the files being copied now."""
+        copies = list(self.copies.values())
+        return sum(c.done for c in copies), sum(c.total for c in copies)
 
     async def copy_layers(self, name: str, layers: tuple[int, int] | None) -> Path | None:
         """This Mac's copy of what layers [start, end) of the model need (None: the layer a
@@ -112,6 +134,7 @@ class PeerCopy:
             return None
         client_ctx = self.client_ctx
         listings: list[tuple[NodeId, tuple[str, int], Listing]] = []
+        addresses = dict(peers)
         for node, targets in peers:
             for target in targets:
                 try:
@@ -126,7 +149,7 @@ class PeerCopy:
         if not any("config.json" in files for _, _, files in listings):
             return None
         metadata = sorted({f for _, _, files in listings for f in files if not f.endswith(".safetensors")})
-        if not await _copy(dest, name, metadata, listings, client_ctx):
+        if not await _copy(dest, name, metadata, listings, self._fetcher(addresses)):
             return None
         try:
             weights = weights_for(dest, layers)
@@ -135,16 +158,41 @@ class PeerCopy:
         except (model_files.ModelFilesError, OSError, ValueError) as exc:
             log.warning("the copied metadata of %s is unusable: %s", name, exc)
             return None
-        if not weights or not await _copy(dest, name, weights, listings, client_ctx):
+        if not weights or not await _copy(dest, name, weights, listings, self._fetcher(addresses)):
             return None
         return dest
 
+    def _fetcher(self, addresses: dict[NodeId, list[tuple[str, int]]]) -> Fetch:
+        """Copy one file from a first holder, striped over the others that list it the same
+        (and over every address of each: all the cables), STRIPES_MAX sources at most."""
+        async def fetch(name: str, f: str, dest: Path, first: Holder, holders: list[Holder]) -> tuple[int, str]:
+            node, target, size, digest = first
+            also = [Source(h, p, n) for n, _, s, d in holders if s == size and d == digest
+                    for h, p in addresses.get(n, [])]
+            key = f"{name}: {f}"
+            progress = self.copies[key] = CopyProgress(total=size)
+            try:
+                return await fetch_file(target[0], target[1], self.client_ctx, node, name, f, dest, size_expected=size,
+                                        digest_expected=digest, over_tls=self.over_tls,
+                                        also=[s for s in also if s != Source(target[0], target[1], node)][: STRIPES_MAX - 1],
+                                        progress=progress)
+            finally:
+                del self.copies[key]
+
+        return fetch
+
+
+Holder = tuple[NodeId, tuple[str, int], int, "str | None"]
+"""A member listing a file: its node id, the address it answered at, the file's size and digest."""
+Fetch = Callable[[str, str, Path, Holder, list[Holder]], Awaitable[tuple[int, str]]]
+"""(model, file, destination, the holder to ask first, all holders) -> the copy's size and digest."""
+
 
 async def _copy(dest: Path, name: str, files: list[str], listings: list[tuple[NodeId, tuple[str, int], Listing]],
-                client_ctx: ssl.SSLContext) -> bool:
+                fetch: Fetch) -> bool:
     """Copy each file that is not here yet, COPIES_CONCURRENT at a time, each from the members
-    that list it (the i-th file asks the i-th holder first, so several Macs share the work;
-    one TLS stream is bounded by one core). Each file is checked against the digest its
+    that list it (the i-th file asks the i-th holder first, so several Macs share the work,
+    and stripes it over the others; a failed copy resumes from what arrived with the next). Each file is checked against the digest its
     holder lists (drivers/files.py), and the verified digests go into this copy's manifest,
     which this Mac lists in turn. True when every file is here."""
     failed: list[str] = []
@@ -161,18 +209,18 @@ async def _copy(dest: Path, name: str, files: list[str], listings: list[tuple[No
                 log.warning("cannot record the digests of %s: %s", dest, exc)
 
     async def one(i: int, f: str) -> None:
-        holders = [(node, target, listed[f][0], listed[f][1]) for node, target, listed in listings if f in listed]
+        holders: list[Holder] = [(node, target, listed[f][0], listed[f][1]) for node, target, listed in listings if f in listed]
         if holders and (dest / f).is_file() and (dest / f).stat().st_size == holders[0][2]:
             return
         holders = holders[i % len(holders):] + holders[: i % len(holders)] if holders else []
         async with slots:
             for round_ in range(BUSY_ROUNDS_MAX):
                 busy = False
-                for node, target, size, digest in holders:
+                for holder in holders:
+                    node, _, size, _ = holder
                     started = trio.current_time()
                     try:
-                        _, got = await fetch_file(target[0], target[1], client_ctx, node, name, f, dest,
-                                                  size_expected=size, digest_expected=digest)
+                        _, got = await fetch(name, f, dest, holder, holders)
                         await record(f, size, got)
                     except FileCopyError as exc:
                         busy = busy or exc.reason == "busy"
