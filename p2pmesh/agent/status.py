@@ -29,6 +29,7 @@ def status_json(snapshot: Snapshot, state_dir: Path, load: LoadReport | None = N
             members.append({
                 "node_id": mem.node_id, "voter": mem.voter, "up": mem.up, "addresses": list(mem.addresses),
                 "ports": [port_json(p) for p in mem.ports], "data_port": mem.caps.data_port,
+                "chip": mem.caps.chip, "memory_bytes": mem.caps.memory_bytes,
             })
         ring = ring_json(state)
         placement = placement_json(state)
@@ -51,6 +52,16 @@ def status_json(snapshot: Snapshot, state_dir: Path, load: LoadReport | None = N
         "requests_asked_again": snapshot.requests_asked_again,
         "state_dir": str(state_dir),
     }
+
+
+PUBLIC_KEYS = ("node_id", "cluster_id", "role", "term", "leader", "healthy", "commit_index", "applied_index",
+               "members", "ring", "placement", "requests")
+"""The status keys the HTTP API shows (/v1/cluster, the dashboard's events): local details
+(pid, state directory) stay on the control socket."""
+
+
+def public_status(status: dict[str, Any]) -> dict[str, Any]:
+    return {k: status.get(k) for k in PUBLIC_KEYS}
 
 
 def requests_json(state: ClusterState | None, load: LoadReport | None) -> dict[str, Any] | None:
@@ -78,6 +89,9 @@ def placement_json(state: ClusterState) -> dict[str, Any]:
         # only where memory did not allow more (the placement serves fewer rather than refuse).
         "batch": state.active_batch,
         "batch_asked": state.model.batch if state.model else 1,
+        # What one layer's weights take (the dashboard's memory bars: a stage holds
+        # layers x layer_bytes of its Mac's memory_bytes); None without a model.
+        "layer_bytes": state.model.layer_bytes if state.model else None,
     }
     if state.placement_epoch > state.active_epoch:
         out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), "ready": list(state.ready),

@@ -29,10 +29,12 @@ from typing import Any, Protocol
 import trio
 
 from p2pmesh.agent.http.bodies import ApiError, Shape
+from p2pmesh.agent.http.dashboard import EventStreams, serve_page
 from p2pmesh.agent.http.schema import Options, parse_chat, parse_completion
 from p2pmesh.agent.http.config import HttpBindError, HttpLimits, check_bind
 from p2pmesh.agent.http.prompts import Prompt, Tokenizers
 from p2pmesh.agent.http.stream import Receive, Reply, Run, Send
+from p2pmesh.agent.status import public_status
 
 log = logging.getLogger("p2pmesh.http")
 
@@ -133,6 +135,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/cluster": ("GET",),
     "/v1/completions": ("POST",),
     "/v1/chat/completions": ("POST",),
+    "/v1/events": ("GET",),  # the dashboard's live feed (dashboard.py; the page itself is dashboard.PAGES)
 }
 
 
@@ -148,6 +151,7 @@ class HttpApi:
         self._token_digest = hashlib.sha256(token.encode()).digest() if token is not None else None
         self.tokenizers = Tokenizers(model_root, state_dir)
         self.active = 0
+        self.events = EventStreams(agent, limits)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -159,6 +163,8 @@ class HttpApi:
         method, path = scope["method"], scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         reply = Reply(send, unread=headers.get("content-length", "0").strip() != "0" or "transfer-encoding" in headers)
+        if await serve_page(path, method, send):  # the dashboard's page holds no data: no token needed
+            return
         try:
             self._authenticate(headers)
             allowed = ROUTES.get(path)
@@ -169,6 +175,9 @@ class HttpApi:
                                headers=(("allow", ", ".join(allowed)),))
             if path == "/health":
                 await reply.json(200, self._health())
+                return
+            if path == "/v1/events":  # bounded on its own (dashboard.py): a stream lasts
+                await self.events.stream(receive, reply)
                 return
             if self.active >= self.limits.max_concurrent:
                 raise ApiError(429, f"too many concurrent requests (at most {self.limits.max_concurrent}); retry shortly",
@@ -266,11 +275,7 @@ class HttpApi:
         return {"object": "list", "data": data}
 
     def _cluster(self) -> dict[str, Any]:
-        s = self.agent.status()
-        # Local details (pid, state directory) stay on the control socket.
-        keys = ("node_id", "cluster_id", "role", "term", "leader", "healthy", "commit_index", "applied_index",
-                "members", "ring", "placement", "requests")
-        return {k: s.get(k) for k in keys}
+        return public_status(self.agent.status())
 
     # -- generation -------------------------------------------------------------------
 
