@@ -9,7 +9,7 @@ from typing import Any
 
 from p2pmesh.agent.ports import Snapshot
 from p2pmesh.core import fit
-from p2pmesh.core.messages import ClusterState, LoadReport, PortInfo
+from p2pmesh.core.messages import ClusterState, LoadReport, Measure, PortInfo
 from p2pmesh.core.ring_view import ring_json
 
 
@@ -30,6 +30,9 @@ def status_json(snapshot: Snapshot, state_dir: Path, load: LoadReport | None = N
                 "node_id": mem.node_id, "voter": mem.voter, "up": mem.up, "addresses": list(mem.addresses),
                 "ports": [port_json(p) for p in mem.ports], "data_port": mem.caps.data_port,
                 "chip": mem.caps.chip, "memory_bytes": mem.caps.memory_bytes,
+                # What it measured it can give the model's layers (--memory-limit caps it), None before
+                # it measured the model (or when it cannot load it).
+                "offer_bytes": mem.measure.memory_bytes if isinstance(mem.measure, Measure) else None,
             })
         ring = ring_json(state)
         placement = placement_json(state)

@@ -32,7 +32,8 @@
   function gib(n) {
     if (n == null) return "?";
     if (n >= 2 ** 30) return (n / 2 ** 30).toFixed(n >= 10 * 2 ** 30 ? 0 : 1) + " GiB";
-    return Math.round(n / 2 ** 20) + " MiB";
+    if (n >= 2 ** 20) return (n / 2 ** 20).toFixed(n >= 10 * 2 ** 20 ? 0 : 1) + " MiB";
+    return Math.max(0, Math.round(n / 2 ** 10)) + " KiB";
   }
 
   function h(tag, attrs = {}, ...children) {
@@ -215,7 +216,7 @@
     const ringPairs = new Set();
     for (const hop of ring.hops || []) {
       ringPairs.add([hop.from, hop.to].sort().join());
-      edge(edges, labels, pos, hop.from, hop.to, "ring", up, hopLabel(hop), order.length === 2 ? 26 : 0);
+      edge(edges, labels, pos, hop.from, hop.to, "ring", up, hopLabel(hop), ring.order.length === 2 ? 20 : 0);
     }
     for (const c of cablesBetween(members)) {
       if (!ringPairs.has([c.a, c.b].sort().join())) edge(edges, labels, pos, c.a, c.b, "cable", up, hopLabel(c), 0);
@@ -309,8 +310,11 @@
       if (g.members.length > 1) box.append(h("div", { class: "group-title" }, `tensor group of ${g.members.length}`));
       for (const id of g.members) {
         const m = members.get(id) || {};
+        // The layers' weights (a tensor group's members each hold their share) against what
+        // the Mac offers the model (its measurement; its whole memory before it measured).
         const used = layerBytes != null ? (n * layerBytes) / g.members.length : null;
-        const frac = used != null && m.memory_bytes ? Math.min(1, used / m.memory_bytes) : null;
+        const room = m.offer_bytes != null ? m.offer_bytes : m.memory_bytes;
+        const frac = used != null && room ? Math.min(1, used / room) : null;
         const row = h("div", { class: "stage" + (m.up === false ? " down" : ""), "data-node-id": id },
           h("span", { class: "who" }, short(id)),
           h("span", { class: "what" }, `layers ${a}–${b - 1} (${n})` + (m.chip ? ` · ${m.chip}` : "")),
@@ -318,9 +322,9 @@
           h("div", { class: "bar-track" }, h("div", { class: "bar-fill", style: `left:${(a / total) * 100}%;width:${(n / total) * 100}%` })));
         if (frac != null) {
           row.append(h("span", { class: "what" }, "memory"),
-            h("div", { class: "bar-track", title: `${gib(used)} of ${gib(m.memory_bytes)} (${gib(m.memory_bytes - used)} free)` },
+            h("div", { class: "bar-track", title: `weights ${gib(used)} of ${gib(room)} offered` },
               h("div", { class: "bar-fill mem" + (frac > 0.9 ? " full" : ""), style: `left:0;width:${(frac * 100).toFixed(1)}%` })),
-            h("span", {}), h("span", { class: "what" }, `${gib(used)} used, ${gib(m.memory_bytes - used)} free`));
+            h("span", {}), h("span", { class: "what" }, `${gib(used)} weights, ${gib(room - used)} free`));
         }
         box.append(row);
       }
@@ -333,6 +337,10 @@
     $("tps").textContent = r ? (+r.tokens_per_s).toFixed(1) : "–";
     $("active").textContent = r ? r.active : "–";
     $("queued").textContent = r ? r.queued : "–";
+    const p = st.placement;
+    $("load-info").textContent = r
+      ? `head ${short(r.head)} · epoch ${r.epoch}` + (p ? ` · batch ${p.batch} of ${p.batch_asked} asked · ${p.restarts} restarts` : "")
+      : "nothing serving (or the head has not reported yet)";
   }
 
   function sample() {
