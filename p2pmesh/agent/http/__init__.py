@@ -2,7 +2,8 @@
 embedders and tests use. The modules: server.py (serving, routing, authentication, limits),
 config.py (settings and start-up checks), schema.py (the request bodies' msgspec schemas),
 bodies.py (OpenAI's error and response shapes), prompts.py (chat templates, token counts),
-stream.py (one response, one generation)."""
+stream.py (one response, one generation), dashboard.py and watch_events.py (the dashboard
+at / and its live feed, docs/dashboard.md)."""
 from __future__ import annotations
 
 from p2pmesh.agent.http.bodies import ApiError, api_error, generation_error

@@ -3,7 +3,8 @@
 This module owns the serving and the routing: a hand-written ASGI app served by hypercorn's
 trio worker, the endpoints (`GET /health`, `GET /v1/models`, `GET /v1/cluster`,
 `POST /v1/completions`, `POST /v1/chat/completions`, the last two also as server-sent
-events), authentication, limits and reading bodies. Beside it: config.py (settings and the
+events; the dashboard's `GET /` and `GET /v1/events` are dashboard.py's), authentication,
+limits and reading bodies. Beside it: config.py (settings and the
 start-up checks), schema.py (the request bodies' schemas), bodies.py (OpenAI's response shapes,
 errors), prompts.py
 (chat templates, token counts), stream.py (one response, one generation).
