@@ -15,7 +15,6 @@ under CI=true it fails instead (scripts/_bootstrap.sh installs them where it may
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.agent.harness import AgentProc, control_status, free_port, make_model, wait_for
+from tests.agent.harness import AgentProc, control_status, free_port, loopback_agents, make_model, wait_for
 
 LAYERS = 6
 CONTEXT = 256
@@ -91,21 +90,8 @@ def agents(tmp_path: Path, model: Path) -> Iterator[list[AgentProc]]:
     """Three agents on 127.0.0.2-4, one peer port, each with its HTTP API on its own address,
     each with room for half the model's layers and a bit: it takes two or three Macs, and
     two still hold it when the third is killed."""
-    from p2pmesh.drivers.keys import write_key
-
-    key = tmp_path / "key"
-    write_key(key, bytes(range(7, 39)))
-    port = free_port()
-    listens = [f"127.0.0.{i + 2}:{port}" for i in range(3)]
-    data = random.Random().randrange(20000, 40000)
-    out = []
-    for i, listen in enumerate(listens):
-        host = listen.rsplit(":", 1)[0]
-        extra = ["--no-mdns", "--data-port", str(data), "--http", f"{host}:{free_port(host)}", "--memory-limit",
-                 str(_memory_for(model, LAYERS / 2 + 0.5))]
-        a = AgentProc(tmp_path / f"m{i}", listen, peers=[x for x in listens if x != listen], key_file=key, extra=extra)
-        a.state_dir.mkdir()
-        out.append(a)
+    memory = str(_memory_for(model, LAYERS / 2 + 0.5))
+    out = loopback_agents(tmp_path, 3, 7, lambda i, host: ["--http", f"{host}:{free_port(host)}", "--memory-limit", memory])
     try:
         for a in out:
             a.start()
