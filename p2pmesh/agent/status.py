@@ -9,7 +9,7 @@ from typing import Any
 
 from p2pmesh.agent.ports import Snapshot
 from p2pmesh.core import dataplane, fit
-from p2pmesh.core.messages import ClusterState, LoadReport, PortInfo
+from p2pmesh.core.messages import ClusterState, LoadReport, Measure, PortInfo
 from p2pmesh.core.ring_view import ring_json
 
 
@@ -29,6 +29,10 @@ def status_json(snapshot: Snapshot, state_dir: Path, load: LoadReport | None = N
             members.append({
                 "node_id": mem.node_id, "voter": mem.voter, "up": mem.up, "addresses": list(mem.addresses),
                 "ports": [port_json(p) for p in mem.ports], "data_port": mem.caps.data_port,
+                "chip": mem.caps.chip, "memory_bytes": mem.caps.memory_bytes,
+                # What it measured it can give the model's layers (--memory-limit caps it), None before
+                # it measured the model (or when it cannot load it).
+                "offer_bytes": mem.measure.memory_bytes if isinstance(mem.measure, Measure) else None,
             })
         ring = ring_json(state)
         placement = placement_json(state)
@@ -51,6 +55,16 @@ def status_json(snapshot: Snapshot, state_dir: Path, load: LoadReport | None = N
         "requests_asked_again": snapshot.requests_asked_again,
         "state_dir": str(state_dir),
     }
+
+
+PUBLIC_KEYS = ("node_id", "cluster_id", "role", "term", "leader", "healthy", "commit_index", "applied_index",
+               "members", "ring", "placement", "requests")
+"""The status keys the HTTP API shows (/v1/cluster, the dashboard's events): local details
+(pid, state directory) stay on the control socket."""
+
+
+def public_status(status: dict[str, Any]) -> dict[str, Any]:
+    return {k: status.get(k) for k in PUBLIC_KEYS}
 
 
 def requests_json(state: ClusterState | None, load: LoadReport | None) -> dict[str, Any] | None:
@@ -80,6 +94,9 @@ def placement_json(state: ClusterState) -> dict[str, Any]:
         "batch": state.active_batch,
         "batch_asked": state.model.batch if state.model else 1,
         "parallelism_asked": state.model.parallelism if state.model else "auto",
+        # What one layer's weights take (the dashboard's memory bars: a stage holds
+        # layers x layer_bytes of its Mac's memory_bytes); None without a model.
+        "layer_bytes": state.model.layer_bytes if state.model else None,
     }
     if state.placement_epoch > state.active_epoch:
         out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), **groups_json(state.placement),

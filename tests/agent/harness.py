@@ -149,3 +149,26 @@ def one_cluster(agents: list[AgentProc], voters: int) -> dict[str, Any] | None:
     if sum(1 for m in members if m["voter"] and m["up"]) != voters or len(members) != voters:
         return None
     return first
+
+
+def loopback_agents(root: Path, n: int, key_seed: int, extra: Callable[[int, str], list[str]] = lambda i, host: []
+                    ) -> list[AgentProc]:
+    """``n`` agents (not started) on 127.0.0.2, .3, ... sharing one peer port, one cluster
+    key (bytes from ``key_seed``) and one data port base, each told every other as a static
+    peer, without mDNS; ``extra(i, host)`` gives agent i's other flags."""
+    import random
+
+    from p2pmesh.drivers.keys import write_key
+
+    key = root / "key"
+    write_key(key, bytes(range(key_seed, key_seed + 32)))
+    port = free_port()
+    listens = [f"127.0.0.{i + 2}:{port}" for i in range(n)]
+    data = random.Random().randrange(20000, 40000)
+    agents = []
+    for i, listen in enumerate(listens):
+        flags = ["--no-mdns", "--data-port", str(data), *extra(i, listen.rsplit(":", 1)[0])]
+        a = AgentProc(root / f"m{i}", listen, peers=[x for x in listens if x != listen], key_file=key, extra=flags)
+        a.state_dir.mkdir()
+        agents.append(a)
+    return agents

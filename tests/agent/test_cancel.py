@@ -8,7 +8,6 @@ request in its worker, and the next request is served instead of refused as busy
 """
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import p2pmesh
-from tests.agent.harness import ROOT, AgentProc, free_port, make_model, one_cluster, wait_for
+from tests.agent.harness import ROOT, AgentProc, loopback_agents, make_model, one_cluster, wait_for
 
 FORM_TIMEOUT_S = 40
 SERVE_TIMEOUT_S = 90
@@ -34,20 +33,7 @@ def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _agents(tmp_path: Path) -> list[AgentProc]:
-    from p2pmesh.drivers.keys import write_key
-
-    key = tmp_path / "key"
-    write_key(key, bytes(range(9, 41)))
-    port = free_port()
-    listens = [f"127.0.0.{i + 2}:{port}" for i in range(2)]
-    data = random.Random().randrange(20000, 40000)
-    agents = []
-    for i, listen in enumerate(listens):
-        extra = ["--no-mdns", "--data-port", str(data), "--max-batch", "1", "--max-queue", "0"]
-        a = AgentProc(tmp_path / f"m{i}", listen, peers=[x for x in listens if x != listen], key_file=key, extra=extra)
-        a.state_dir.mkdir()
-        agents.append(a)
-    return agents
+    return loopback_agents(tmp_path, 2, 9, lambda i, host: ["--max-batch", "1", "--max-queue", "0"])
 
 
 def test_a_client_that_hangs_up_on_another_mac_frees_the_heads_only_slot(tmp_path: Path, slow_model: Path) -> None:

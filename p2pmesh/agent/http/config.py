@@ -29,6 +29,14 @@ class HttpLimits:
     """A request body must arrive within this time (408 otherwise)."""
     stream_idle_timeout_s: float = 300.0
     """A generation that yields nothing for this long fails (504)."""
+    event_streams_max: int = 8
+    """Dashboard event streams (`GET /v1/events`) open at once, counted apart from the
+    requests above since they last (one per dashboard tab); one more is refused with 429."""
+    event_heartbeat_s: float = 15.0
+    """An event stream that had nothing to say for this long sends a heartbeat."""
+    event_refresh_s: float = 1.0
+    """How often an event stream looks at the status besides the cluster view's changes: the
+    serving head's batch report (tokens/s, requests running and queued) has no event."""
 
 
 @dataclass(frozen=True, slots=True)

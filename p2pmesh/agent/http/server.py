@@ -8,7 +8,8 @@ anthropic.py (Anthropic Messages), ollama.py (Ollama's chat, generate, tags, sho
 them: call.py (one request: body, prompts, generation), config.py (settings and the start-up
 checks), schema.py (the OpenAI bodies' schemas and the shared decoding), bodies.py (errors),
 prompts.py (chat templates, token counts), stream.py (one response, one generation, in any
-API's format).
+API's format); dashboard.py (the dashboard's page at `GET /` and its live feed
+`GET /v1/events`, docs/dashboard.md).
 
 Generation itself is the agent's `generate` op, the same one `p2pmesh generate` uses over the
 control socket: this module never talks to workers or to the core.
@@ -36,7 +37,9 @@ from p2pmesh.agent.http.bodies import ApiError
 from p2pmesh.agent.http.call import Call, ClientGone, Service
 from p2pmesh.agent.http.config import HttpBindError, HttpLimits, check_bind
 from p2pmesh.agent.http.prompts import Tokenizers
+from p2pmesh.agent.http.dashboard import EventStreams, serve_page
 from p2pmesh.agent.http.stream import ErrorBody, Receive, Reply, Send
+from p2pmesh.agent.status import public_status
 
 log = logging.getLogger("p2pmesh.http")
 
@@ -141,11 +144,7 @@ async def _health(call: Call) -> None:
 
 
 async def _cluster(call: Call) -> None:
-    s = call.status()
-    # Local details (pid, state directory) stay on the control socket.
-    keys = ("node_id", "cluster_id", "role", "term", "leader", "healthy", "commit_index", "applied_index",
-            "members", "ring", "placement", "requests")
-    await call.json({k: s.get(k) for k in keys})
+    await call.json(public_status(call.status()))
 
 
 ROUTES: dict[str, Route] = {
@@ -191,6 +190,10 @@ class HttpApi:
         self._token_digest = hashlib.sha256(token.encode()).digest() if token is not None else None
         self.tokenizers = Tokenizers(model_root, state_dir)
         self.active = 0
+        self.events = EventStreams(agent, limits)
+        # The dashboard's live feed is bounded on its own (dashboard.py): a stream lasts.
+        self.routes = {**ROUTES, "/v1/events": Route(("GET",), lambda call: self.events.stream(call.receive, call.reply),
+                                                     counted=False)}
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -203,11 +206,13 @@ class HttpApi:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         reply = Reply(send, unread=headers.get("content-length", "0").strip() != "0" or "transfer-encoding" in headers,
                       errors=_errors_for(path))
+        if await serve_page(path, method, send):  # the dashboard's page holds no data: no token needed
+            return
         try:
             self._authenticate(headers)
-            route = ROUTES.get(path)
+            route = self.routes.get(path)
             if route is None:
-                raise ApiError(404, f"no endpoint {path} (this server has {', '.join(ROUTES)})", code="unknown_url")
+                raise ApiError(404, f"no endpoint {path} (this server has {', '.join(self.routes)})", code="unknown_url")
             if method not in route.methods:
                 raise ApiError(405, f"{path} takes {' or '.join(route.methods)}, not {method}", code="method_not_allowed",
                                headers=(("allow", ", ".join(route.methods)),))
