@@ -94,6 +94,8 @@ def placement_json(state: ClusterState) -> dict[str, Any]:
         "batch": state.active_batch,
         "batch_asked": state.model.batch if state.model else 1,
         "parallelism_asked": state.model.parallelism if state.model else "auto",
+        # The planner's predicted time per token of this placement (None when it cannot tell).
+        "tpot_ms": _predicted(state),
         # What one layer's weights take (the dashboard's memory bars: a stage holds
         # layers x layer_bytes of its Mac's memory_bytes); None without a model.
         "layer_bytes": state.model.layer_bytes if state.model else None,
@@ -123,14 +125,22 @@ def groups_json(stages: Any) -> dict[str, Any]:
     return {"parallelism": plan.parallelism, "groups": [g.to_json() for g in plan.layout]}
 
 
-_problem_memo: list[Any] = [None, None]
+def _per_state(fn: Any) -> Any:
+    """``fn(state)`` computed once per committed state (clients poll status; the state is an
+    immutable value, replaced on every change)."""
+    memo: list[Any] = [None, None]
+
+    def once(state: ClusterState) -> Any:
+        if memo[0] is not state:
+            memo[:] = [state, fn(state)]
+        return memo[1]
+    return once
 
 
-def _placement_problem(state: ClusterState) -> fit.PlacementProblem | None:
-    """core/fit.py's verdict, computed once per committed state (clients poll status)."""
-    if _problem_memo[0] is not state:
-        _problem_memo[:] = [state, fit.problem(state)]
-    return _problem_memo[1]  # type: ignore[no-any-return]
+_placement_problem = _per_state(fit.problem)
+"""core/fit.py's verdict on the committed state."""
+_predicted = _per_state(dataplane.predicted_tpot_ms)
+"""The planner's predicted time per token of the serving placement."""
 
 
 def port_json(p: PortInfo) -> dict[str, Any]:

@@ -86,7 +86,7 @@ def _wanted_stages(state: ClusterState) -> tuple[tuple[Stage, ...], int] | None:
         # Nobody measured it yet; or nobody can load it at all: then serve nothing, rather
         # than keep a placement of another model (core/fit.py says why).
         return ((), 1) if fit.unloadable(state) else None
-    links = tuple(Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in physical.cables(state, physical.serving(state)))
+    links = planned_links(state)
     serving = state.active if state.active else state.placement
     current = committed_plan(serving) if serving else None
     asked = model.parallelism if model.parallelism in PARALLELISM_CHOICES else "auto"
@@ -120,6 +120,30 @@ def _wanted_stages(state: ClusterState) -> tuple[tuple[Stage, ...], int] | None:
     batch, plan = fit.largest_batch(max(1, model.batch), batch_plan)
     assert plan is not None  # batch 1 is `single`
     return committed_stages(plan), batch
+
+
+def planned_links(state: ClusterState) -> tuple[Link, ...]:
+    """The links between the serving members as the planner costs them: kind, Gb/s, the
+    probed round trip, and RDMA where both ends of a Thunderbolt cable have it (a tensor
+    group's all-reduce then costs JACCL's latency, not TCP's)."""
+    return tuple(Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms,
+                      rdma=bool(c.a_port and c.b_port and c.a_port.rdma and c.b_port.rdma))
+                 for c in physical.cables(state, physical.serving(state)))
+
+
+def predicted_tpot_ms(state: ClusterState) -> float | None:
+    """The planner's predicted time per token of the serving placement (what
+    scripts/bench_cluster.py sets against a measurement); None when it cannot tell (nothing
+    serves, or a member of it has not measured the model)."""
+    if state.model is None or not state.active:
+        return None
+    nodes = fit.planned_nodes(state)
+    by_id = {n.node_id for n in nodes}
+    if any(s.node_id not in by_id for s in state.active):
+        return None
+    plan = _repredict(fit.model_spec(state.model, max(1, state.active_batch)), tuple(nodes), planned_links(state),
+                      committed_plan(state.active))
+    return None if plan is None else round(plan.tpot_ms, 3)
 
 
 @lru_cache(maxsize=SOLVE_MEMO)

@@ -107,3 +107,25 @@ def test_the_leaders_cost_per_negotiate_is_bounded_for_four_macs(kind: str) -> N
     info = dataplane._solve.cache_info()
     assert info.misses <= 5 and info.hits >= 20  # at most 1 + log2(8) + 1 solves; every later negotiate from the memo
     assert again < max(0.02, first)
+
+
+def test_the_serving_placements_predicted_time_per_token_is_the_planners() -> None:
+    # status `placement.tpot_ms` (scripts/bench_cluster.py sets a measurement against it).
+    from p2pmesh.core.placement import predict_plan
+    from p2pmesh.core import fit
+
+    state = _state(2, replace(MODEL, parallelism="tensor"))
+    assert dataplane.predicted_tpot_ms(state) is None  # nothing serves yet
+    p = _proposal(state)
+    serving = replace(state, active_epoch=p.epoch, active=p.stages, active_hops=p.hops, active_batch=p.batch)
+    expected = predict_plan(fit.model_spec(serving.model, p.batch), fit.planned_nodes(serving),
+                            list(dataplane.planned_links(serving)), dataplane.committed_plan(p.stages)).tpot_ms
+    assert dataplane.predicted_tpot_ms(serving) == round(expected, 3) and expected > 0
+    # Forced over TCP links with no probe (the kind's default latency) two all-reduces per
+    # layer cost far more than the 0.5 ms layers they split: one Mac is predicted faster,
+    # which is why auto does not pick tensor here.
+    one = replace(serving, active=(Stage("n0", 0, 8),))
+    assert dataplane.predicted_tpot_ms(one) < dataplane.predicted_tpot_ms(serving)  # type: ignore[operator]
+    # A member of the placement that has not measured the model: no prediction.
+    unmeasured = replace(serving, members=(serving.members[0], replace(serving.members[1], measure=None)))
+    assert dataplane.predicted_tpot_ms(unmeasured) is None
