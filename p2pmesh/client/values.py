@@ -105,8 +105,11 @@ class ShareInfo:
 
     node_id: str
     heads: int
+    """Attention (query) heads this Mac computes: more for a faster Mac (uneven split)."""
     kv_heads: int
+    """Key/value heads it holds the cache of (grouped-query attention: fewer than heads)."""
     columns: int
+    """MLP intermediate columns it computes (for an MoE layer, of every expert)."""
 
 
 @dataclass(frozen=True)
