@@ -5,6 +5,9 @@ exit codes that mean something (1 no agent, 2 bad input, 3 cluster not ready).""
 from __future__ import annotations
 
 import json
+import queue
+import threading
+import time
 import os
 import random
 import subprocess
@@ -201,19 +204,24 @@ def test_load_generate_chat_and_watch(agent: AgentProc, model: Path) -> None:
                          {"role": "user", "content": "and then?"}], max_tokens=8).collect().text
     assert turns[1]["content"] == second
 
-    # watch: clearing the model is seen as an event, in JSON.
-    watcher = subprocess.Popen([sys.executable, "-m", "p2pmesh", "watch", "--json", "--count", "1", *target],
+    # watch: clearing the model is seen as an event, in JSON. Other events may come first
+    # (the head's load report saying the chats above finished), so read until it shows.
+    watcher = subprocess.Popen([sys.executable, "-m", "p2pmesh", "watch", "--json", "--count", "8", *target],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue(maxsize=64)
+    threading.Thread(target=lambda: [lines.put(line) for line in watcher.stdout], daemon=True).start()
+    kinds: list[str] = []
     try:
         wait_for(lambda: watcher.poll() is None, 5, "the watcher")
-        import time
-
         time.sleep(1.5)  # let it take its first status
         assert ok("model", "clear", *target).strip() == "asked the cluster to serve no model"
-        out, err = watcher.communicate(timeout=30)
+        deadline = time.monotonic() + 30
+        while not {"model_changed", "plan_activated"} & set(kinds) and time.monotonic() < deadline:
+            try:
+                kinds.append(json.loads(lines.get(timeout=max(0.1, deadline - time.monotonic())))["kind"])
+            except queue.Empty:
+                break
     finally:
-        if watcher.poll() is None:
-            watcher.kill()
-            watcher.wait(timeout=5)
-    event = json.loads(out.splitlines()[0])
-    assert watcher.returncode == 0 and event["kind"] in ("model_changed", "plan_activated"), (out, err)
+        watcher.kill()
+        watcher.wait(timeout=5)
+    assert {"model_changed", "plan_activated"} & set(kinds), (kinds, watcher.stderr.read())
