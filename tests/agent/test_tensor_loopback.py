@@ -3,8 +3,8 @@ shape, `p2pmesh load --parallelism tensor`:
 
 - status shows parallelism "tensor" and one group of both Macs, and a generation gives the
   greedy tokens of one plain mlx-lm process, as the same agents do with --parallelism pipeline;
-- the non-head rank's worker SIGKILLed mid-generation: the cluster re-plans (a new epoch) and
-  the request completes with the same greedy tokens;
+- the non-head rank's worker, then the head rank's, SIGKILLed mid-generation: each time the
+  cluster re-plans (a new epoch) and the request completes with the same greedy tokens;
 - a parallelism the agent does not know, or tensor for a model without its shape, is refused
   with bad_request before anything is committed.
 
@@ -133,6 +133,26 @@ def test_tensor_serves_the_greedy_tokens_and_survives_a_killed_rank(two_agents: 
     assert tokens == reference
     assert _status(a)["requests_resumed"] >= 1  # it really moved epochs
     p = wait_for(lambda: _serving_as(a, ("tensor",)), SERVE_TIMEOUT_S, "a tensor group serving again")
+    assert p["epoch"] > epoch
+
+    # Now the head rank (rank 0: it samples and streams the tokens) SIGKILLed mid-generation:
+    # again a new epoch and the same tokens, the ones already streamed not repeated.
+    head = two_agents[ids.index(p["stages"][0]["node_id"])]
+    epoch, resumed = p["epoch"], _status(b)["requests_resumed"]  # b routes this one
+    killed, victims = threading.Event(), []
+
+    def on_head_token(count: int) -> None:
+        if count >= 2 and not killed.is_set():
+            killed.set()
+            victims.extend(_worker_pids(head, 0))
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+
+    tokens, last = _generate(b, TOKENS, on_head_token)
+    assert killed.is_set() and len(victims) == 1 and last["finish"] == "length", (victims, last)
+    assert tokens == reference
+    assert _status(b)["requests_resumed"] > resumed
+    p = wait_for(lambda: _serving_as(a, ("tensor",)), SERVE_TIMEOUT_S, "a tensor group serving after the head died")
     assert p["epoch"] > epoch
 
     # The same agents as a pipeline (or one Mac): the same greedy tokens.
