@@ -17,9 +17,11 @@ best of the runs. Ratio = measured / predicted (the cost model is good where it 
 by heads; a tensor plan needs a group of two or more Macs) is reported as such and skipped.
 Every parallelism must produce the same greedy tokens (checked).
 
-On a loopback cluster (two agents of this repo, scripts/demo's set-up) this runs too, where
-it shows the cost model's figures for TCP over loopback; on Macs over Thunderbolt it is the
-measurement docs/placement.md asks users for.
+On a loopback cluster (two agents of this repo, scripts/demo's set-up) this runs too, but no
+cable joins the agents there, so no probe measures the path and the planner assumes a
+"network" hop's defaults (0.1 Gb/s, 5 ms round trip): its tensor predictions are then far too
+slow (the line "links:" says so). On Macs over Thunderbolt the probes measure every cable and
+this is the measurement docs/placement.md asks users for.
 """
 from __future__ import annotations
 
@@ -55,6 +57,16 @@ def groups_text(placement: dict[str, Any]) -> str:
                       for g in placement.get("groups") or [])
 
 
+def links_text(status: dict[str, Any]) -> str:
+    """The ring's hops as the planner saw them: kind, Gb/s and round trip, "unmeasured" where no
+    probe ran (a path with no known cable, e.g. loopback: the planner then assumes the kind's
+    defaults, core/ring.DEFAULT_RTT_MS, which are conservative on purpose)."""
+    hops = (status.get("ring") or {}).get("hops") or []
+    seen = sorted({(h["kind"], h["gbps"], h.get("rtt_ms")) for h in hops}, key=str)
+    return "; ".join(f"{kind} {gbps:g} Gb/s, " + (f"rtt {rtt:.3f} ms" if rtt is not None else "rtt unmeasured")
+                     for kind, gbps, rtt in seen) or "no hops"
+
+
 def main() -> int:
     p = parser(__doc__)
     p.add_argument("--model", required=True, help="the model (a local path, the same on every Mac, or a hub id)")
@@ -71,6 +83,8 @@ def main() -> int:
     client = Client(args.agent)
     figures: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "modes": {}}
     reference: tuple[int, ...] | None = None
+    figures["links"] = links_text(client.status_object())
+    print(f"links: {figures['links']}\n")
     table("asked", "chosen", "groups", "predicted tok/s", "measured tok/s", "measured / predicted")
     for asked in args.parallelism:
         try:
