@@ -5,8 +5,9 @@
 
 - 2-rank tensor, for llama, qwen3 and qwen3_moe: greedy tokens equal mlx-lm's, and two
   requests at once (one batch) get the tokens each gets alone; shutdown exits 0 everywhere.
-- 3-rank tensor with uneven shares (heads 6/4/2: worker/tensor.py's own sharding).
-- a 2x2 hybrid and a [1, 2] mixed plan: the same tokens, batched too; idle, no rank spins a core.
+- 3-rank tensor with uneven shares (heads 6/4/2: worker/tensor.py's own sharding) and a 2x2
+  hybrid, for the same three families; a [1, 2] mixed plan (llama): the same tokens, batched
+  too; idle, no rank spins a core.
 - bad --group-sizes / --shares / stages / side options: exit 2 with an `unusable` event.
 - a member SIGKILLed mid-generation: rank 0 reports the request as pipeline_broken, and
   every survivor exits non-zero within a bounded time.
@@ -95,13 +96,16 @@ def test_two_rank_tensor_group_serves_mlx_lm_tokens(family_model: tuple[Path, li
     serve_and_compare(*family_model, [2], tmp_path)
 
 
-def test_three_ranks_with_uneven_shares(llama: tuple[Path, list[list[int]], list[list[int]]], tmp_path: Path) -> None:
-    serve_and_compare(*llama, [3], tmp_path, ["--shares", json.dumps([[6, 3, 96], [4, 2, 64], [2, 1, 32]])])
+def test_three_ranks_with_uneven_shares(family_model: tuple[Path, list[list[int]], list[list[int]]], tmp_path: Path) -> None:
+    serve_and_compare(*family_model, [3], tmp_path, ["--shares", json.dumps([[6, 3, 96], [4, 2, 64], [2, 1, 32]])])
 
 
-@pytest.mark.parametrize("sizes", [[2, 2], [1, 2]], ids=["hybrid 2x2", "mixed 1+2"])
-def test_hybrid_plans_serve_mlx_lm_tokens(sizes: list[int], llama: tuple[Path, list[list[int]], list[list[int]]], tmp_path: Path) -> None:
-    serve_and_compare(*llama, sizes, tmp_path)
+def test_a_two_by_two_hybrid_serves_mlx_lm_tokens(family_model: tuple[Path, list[list[int]], list[list[int]]], tmp_path: Path) -> None:
+    serve_and_compare(*family_model, [2, 2], tmp_path)
+
+
+def test_a_mixed_one_plus_two_plan_serves_mlx_lm_tokens(llama: tuple[Path, list[list[int]], list[list[int]]], tmp_path: Path) -> None:
+    serve_and_compare(*llama, [1, 2], tmp_path)
 
 
 BAD = [
