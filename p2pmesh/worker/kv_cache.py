@@ -75,13 +75,16 @@ def batchable(caches: Sequence[Any]) -> bool:
 
 def setup(bits: int | None, caches: Sequence[Any], config: Mapping[str, Any]) -> tuple[KVQuant | None, str | None]:
     """A worker's quantization for `bits` (None or 0: full precision) given the caches its
-    shard makes and the model's config.json, and what stays at full precision (a line for
-    its stderr; None: nothing)."""
+    shard makes and the model's config.json, and a line for its stderr saying what is
+    quantized and what stays at full precision (None without bits)."""
     if not bits:
         return None, None
     problem = model_problem(config)
     if problem is not None:
         return None, f"kv_bits {bits}: every KV cache stays at full precision: {problem}"
+    quant = KVQuant(bits)
+    note = f"kv_bits {bits}: KV caches quantized once a request holds {quant.start} tokens"
     kept = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
-    note = f"kv_bits {bits}: these caches stay at full precision (mlx-lm cannot quantize them): {', '.join(kept)}"
-    return KVQuant(bits), note if kept else None
+    if kept:
+        note += f"; these stay at full precision (mlx-lm cannot quantize them): {', '.join(kept)}"
+    return quant, note
