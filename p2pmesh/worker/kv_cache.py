@@ -16,8 +16,10 @@ Left as they are, at full precision (the worker says so once on stderr, `setup`)
   kv_lora_rank: the cache holds the compressed latent, read by plain matmuls) and attention
   sinks (mlx-lm's quantized attention refuses them);
 - a cache whose head size is not a multiple of the group size (mx.quantize needs one).
-A quantized cache has no batched form in mlx-lm (BatchKVCache cannot merge it): with
-kv_bits a head worker serves one request at a time (worker/serve.py, core/validate.py).
+A quantized cache has no batched form in mlx-lm (BatchKVCache has no to_quantized, and
+QuantizedKVCache no merge, extend or filter; mlx-lm's own server serves kv_bits requests
+unbatched): with kv_bits a head worker serves one request at a time (worker/serve.py,
+core/validate.py).
 """
 from __future__ import annotations
 
