@@ -61,7 +61,8 @@ def read_config(path: Path) -> dict[str, Any]:
         raise ModelError(str(exc)) from None
 
 
-def describe(name: str, path: Path, context_tokens: int, batch: int = 1, parallelism: str = "auto") -> ModelInfo:
+def describe(name: str, path: Path, context_tokens: int, batch: int = 1, parallelism: str = "auto",
+             kv_bits: int = 0) -> ModelInfo:
     """What the planner needs to know about a model (core/model_spec.py does the sums)."""
     from p2pmesh.core.model_spec import ModelSpecError, model_spec
 
@@ -87,6 +88,7 @@ def describe(name: str, path: Path, context_tokens: int, batch: int = 1, paralle
         num_key_value_heads=n.num_key_value_heads,
         intermediate_size=n.intermediate_size,
         parallelism=parallelism,
+        kv_bits=kv_bits,
     )
 
 

@@ -437,8 +437,11 @@ class Agent:
         """Control op `model`: serve this model (or none), cluster-wide."""
         name = request.get("name")
         context = request.get("context_tokens", DEFAULT_CONTEXT_TOKENS)
-        # By default the cluster serves as many requests at once as this agent's --max-batch.
-        batch = request.get("batch") or self.config.max_batch
+        # A quantized KV cache (kv_bits 4 or 8) serves one request at a time (mlx-lm's batched
+        # cache has no quantized form), so batch defaults to 1 with it; else to this agent's
+        # --max-batch.
+        kv_bits = request.get("kv_bits") or 0
+        batch = request.get("batch") or (1 if kv_bits else self.config.max_batch)
         if name is None:
             await self.inbox_send.send(ProposalRequested(SetModel(None)))
             return {"ok": True, "model": None}
@@ -452,10 +455,18 @@ class Agent:
         if parallelism not in PARALLELISM_CHOICES:
             return error_answer(ErrorCode.BAD_REQUEST, f"parallelism is one of {', '.join(PARALLELISM_CHOICES)}, "
                                 f"not {str(parallelism)[:40]!r}", param="parallelism")
+        if kv_bits not in (0, *protocol.KV_BITS_CHOICES) or not protocol.is_int(kv_bits):
+            return error_answer(ErrorCode.BAD_REQUEST, f"kv_bits (the KV cache's bits) is one of "
+                                f"{', '.join(map(str, protocol.KV_BITS_CHOICES))}, or absent for full precision, "
+                                f"not {str(kv_bits)[:40]!r}", param="kv_bits")
+        if kv_bits and batch != 1:
+            return error_answer(ErrorCode.BAD_REQUEST, "a quantized KV cache (kv_bits) serves one request at a time: "
+                                f"batch must be 1, not {batch} (mlx-lm's batched cache has no quantized form)",
+                                param="batch", reason="kv_bits_batch")
         local = models.located(name, self.config.model_root)
         try:
             path = await trio.to_thread.run_sync(models.resolve, local)
-            info = await trio.to_thread.run_sync(models.describe, name, path, context, batch, parallelism)
+            info = await trio.to_thread.run_sync(models.describe, name, path, context, batch, parallelism, kv_bits)
         except models.ModelError as exc:
             return error_answer(ErrorCode.MODEL_INVALID, str(exc))
         problem = validate.model_problem(info)
@@ -469,7 +480,7 @@ class Agent:
         await self.inbox_send.send(ProposalRequested(SetModel(info)))
         return {"ok": True, "model": {"name": info.name, "layers": info.layers, "layer_bytes": info.layer_bytes,
                                       "context_tokens": info.context_tokens, "batch": info.batch,
-                                      "parallelism": info.parallelism}}
+                                      "parallelism": info.parallelism, "kv_bits": info.kv_bits or None}}
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Control op `generate`: stream a generation's tokens (this agent is its origin)."""

@@ -94,6 +94,8 @@ def placement_json(state: ClusterState) -> dict[str, Any]:
         "batch": state.active_batch,
         "batch_asked": state.model.batch if state.model else 1,
         "parallelism_asked": state.model.parallelism if state.model else "auto",
+        # The serving epoch's KV cache bits: 4 or 8 (load --kv-bits), null at full precision.
+        "kv_bits": state.active_kv_bits or None,
         # The planner's predicted time per token of this placement (None when it cannot tell).
         "tpot_ms": _predicted(state),
         # What one layer's weights take (the dashboard's memory bars: a stage holds
@@ -103,7 +105,8 @@ def placement_json(state: ClusterState) -> dict[str, Any]:
     if state.placement_epoch > state.active_epoch:
         out["pending"] = {"epoch": state.placement_epoch, "stages": stages(state.placement), **groups_json(state.placement),
                           "ready": list(state.ready),
-                          "fetched": list(state.fetched), "batch": state.placement_batch}
+                          "fetched": list(state.fetched), "batch": state.placement_batch,
+                          "kv_bits": state.placement_kv_bits or None}
     problem = _placement_problem(state)
     if problem is not None:
         out["problem"] = problem.to_json()

@@ -22,6 +22,7 @@ from typing import Any
 from p2pmesh import client as api
 from p2pmesh.cli.common import EXIT_NOT_READY, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, add_target, socket_of
 from p2pmesh.core.placement import PARALLELISM_CHOICES
+from p2pmesh.core.protocol import KV_BITS_CHOICES
 
 CHAT_TURNS_MAX = 32
 """Conversation turns kept in an interactive chat (older ones are dropped, the system
@@ -41,6 +42,10 @@ def add_parser(subparsers: Any) -> None:
     load.add_argument("--parallelism", choices=PARALLELISM_CHOICES, default="auto",
                       help="auto (default: the fastest plan), pipeline, tensor (one group of Macs sharing every "
                            "layer) or hybrid (tensor groups in a row); see docs/placement.md")
+    load.add_argument("--kv-bits", type=int, choices=KV_BITS_CHOICES, default=None,
+                      help="quantize the KV cache to 4 or 8 bits once a request holds 5000 tokens (mlx-lm's "
+                           "QuantizedKVCache; the planner counts it), serving one request at a time "
+                           "(default: full precision)")
     load.add_argument("--timeout", type=float, default=api.LOAD_TIMEOUT_S, help="seconds (default %(default)s)")
     load.add_argument("--json", action="store_true", help="one JSON object per progress step, then the result")
     add_target(load)
@@ -53,6 +58,7 @@ def add_parser(subparsers: Any) -> None:
                       help="context length the KV cache is sized for")
     mset.add_argument("--batch", type=_batch, default=None, help="requests to serve at once (default: the agent's --max-batch)")
     mset.add_argument("--parallelism", choices=PARALLELISM_CHOICES, default="auto", help="as for `load`")
+    mset.add_argument("--kv-bits", type=int, choices=KV_BITS_CHOICES, default=None, help="as for `load`")
     clear = model_sub.add_parser("clear", help="serve no model")
     for sp in (mset, clear):
         add_target(sp)
@@ -132,21 +138,22 @@ def _load(args: argparse.Namespace, cluster: api.Client) -> int:
                               "epoch": p.epoch, "detail": p.detail}), flush=True)
 
         loaded = cluster.load(args.model, context_tokens=args.context_tokens, timeout=args.timeout, on_progress=report,
-                              batch=args.batch, parallelism=args.parallelism)
+                              batch=args.batch, parallelism=args.parallelism, kv_bits=args.kv_bits)
         print(json.dumps({"model": loaded.name, "layers": loaded.layers, "layer_bytes": loaded.layer_bytes,
                           "context_tokens": loaded.context_tokens, "epoch": loaded.placement.epoch,
                           "batch": loaded.placement.batch, "batch_asked": loaded.placement.batch_asked,
                           "stages": [{"node_id": s.node_id, "layers": [s.start, s.end]} for s in loaded.placement.stages],
-                          "parallelism": loaded.placement.parallelism,
+                          "parallelism": loaded.placement.parallelism, "kv_bits": loaded.placement.kv_bits,
                           "groups": [{"node_ids": list(g.node_ids), "layers": [g.start, g.end]} for g in loaded.placement.groups]}))
         return EXIT_OK
     with ProgressReport(con, f"loading {args.model}") as bar:
         loaded = cluster.load(args.model, context_tokens=args.context_tokens, timeout=args.timeout,
                               on_progress=lambda p: bar.update(p.detail, p.ready, p.stages), batch=args.batch,
-                              parallelism=args.parallelism)
+                              parallelism=args.parallelism, kv_bits=args.kv_bits)
     con.print(f"serving {loaded.name}: {loaded.layers} layers on {len(loaded.placement.stages)} "
               f"stage{'s' if len(loaded.placement.stages) != 1 else ''} (epoch {loaded.placement.epoch}), "
-              f"{terminal.batch_words(loaded.placement.batch, loaded.placement.batch_asked)}", style="green")
+              f"{terminal.batch_words(loaded.placement.batch, loaded.placement.batch_asked)}"
+              + (f", KV cache {loaded.placement.kv_bits}-bit" if loaded.placement.kv_bits else ""), style="green")
     if loaded.placement.parallelism in ("tensor", "hybrid"):
         con.print(f"  {loaded.placement.parallelism}:")
         for i, g in enumerate(loaded.placement.groups):
@@ -197,7 +204,7 @@ def _model(args: argparse.Namespace, cluster: api.Client) -> int:
     try:
         if args.model_command == "set":
             model = cluster.set_model(args.name, context_tokens=args.context_tokens, batch=args.batch,
-                                      parallelism=args.parallelism)
+                                      parallelism=args.parallelism, kv_bits=args.kv_bits)
         else:
             model = cluster.set_model(None)
     except api.P2PMeshError as exc:

@@ -105,6 +105,8 @@ def placement_text(placement: dict[str, Any] | None, me: str | None = None) -> T
     if placement.get("stages"):
         batch, asked = int(placement.get("batch") or 1), int(placement.get("batch_asked") or 1)
         t.append(f"  {batch_words(batch, asked)}", style=SLOW_STYLE if batch < asked else "")
+    if placement.get("kv_bits"):
+        t.append(f"  KV cache {placement['kv_bits']}-bit")
     kind = placement.get("parallelism")
     if kind in ("tensor", "hybrid"):
         # Groups of Macs sharing every layer of their range (a Mac alone in a hybrid: a stage).

@@ -107,22 +107,25 @@ class AsyncClient(_Base):
 
     async def load(self, model: str | os.PathLike[str], *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
                    timeout: float = LOAD_TIMEOUT_S, on_progress: Callable[[LoadProgress], None] | None = None,
-                   batch: int | None = None, parallelism: str = "auto") -> LoadedModel:
+                   batch: int | None = None, parallelism: str = "auto", kv_bits: int | None = None) -> LoadedModel:
         """Serve `model` (a local directory or a Hugging Face id) cluster-wide and wait until
         it serves. `on_progress` is called with each new LoadProgress. `batch`: requests to
         serve at once (KV cache is reserved for them where memory allows); None: the agent's
         --max-batch. `parallelism`: "auto" (the planner's fastest), "pipeline", "tensor" or
-        "hybrid" (BadRequest for another value; the placement's `parallelism` says what runs)."""
+        "hybrid" (BadRequest for another value; the placement's `parallelism` says what runs).
+        `kv_bits`: 4 or 8 quantizes the KV cache (mlx-lm's QuantizedKVCache, once a request
+        holds 5000 tokens), serving one request at a time; None: full precision (BadRequest
+        for another value, or for a batch above 1 with it)."""
         return await self._driver().run(plans.load(model, context_tokens, timeout, self.quorum_timeout, on_progress, batch,
-                                                   parallelism))
+                                                   parallelism, kv_bits))
 
     async def set_model(self, model: str | os.PathLike[str] | None, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
                         timeout: float = MODEL_TIMEOUT_S, batch: int | None = None,
-                        parallelism: str = "auto") -> ModelInfo | None:
+                        parallelism: str = "auto", kv_bits: int | None = None) -> ModelInfo | None:
         """Ask the cluster to serve `model` (None: no model) and return once the agent
         proposed it, before it commits and long before it serves (`load` waits for that):
         the model as the agent described it, None for no model."""
-        return await self._driver().run(plans.set_model(model, context_tokens, timeout, batch, parallelism))
+        return await self._driver().run(plans.set_model(model, context_tokens, timeout, batch, parallelism, kv_bits))
 
     def generate(self, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0) -> AsyncGeneration:
@@ -253,14 +256,14 @@ class Client(_Base):
 
     def load(self, model: str | os.PathLike[str], *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
              timeout: float = LOAD_TIMEOUT_S, on_progress: Callable[[LoadProgress], None] | None = None,
-             batch: int | None = None, parallelism: str = "auto") -> LoadedModel:
+             batch: int | None = None, parallelism: str = "auto", kv_bits: int | None = None) -> LoadedModel:
         return self._driver().run(plans.load(model, context_tokens, timeout, self.quorum_timeout, on_progress, batch,
-                                             parallelism))
+                                             parallelism, kv_bits))
 
     def set_model(self, model: str | os.PathLike[str] | None, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
                   timeout: float = MODEL_TIMEOUT_S, batch: int | None = None,
-                  parallelism: str = "auto") -> ModelInfo | None:
-        return self._driver().run(plans.set_model(model, context_tokens, timeout, batch, parallelism))
+                  parallelism: str = "auto", kv_bits: int | None = None) -> ModelInfo | None:
+        return self._driver().run(plans.set_model(model, context_tokens, timeout, batch, parallelism, kv_bits))
 
     def generate(self, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0) -> Generation:

@@ -64,12 +64,14 @@ def healthy(timeout_s: float) -> Plan[Status]:
 
 
 def _model_request(name: str | None, context_tokens: int, batch: int | None = None,
-                   parallelism: str = "auto") -> dict[str, Any]:
+                   parallelism: str = "auto", kv_bits: int | None = None) -> dict[str, Any]:
     request: dict[str, Any] = {"op": "model", "name": name, "context_tokens": context_tokens}
     if batch is not None:  # else the agent's own --max-batch
         request["batch"] = batch
     if parallelism != "auto":  # the agent checks it (bad_request, param "parallelism")
         request["parallelism"] = parallelism
+    if kv_bits is not None:  # else full precision; the agent checks it (bad_request, param "kv_bits")
+        request["kv_bits"] = kv_bits
     return request
 
 
@@ -79,12 +81,12 @@ def _accepted(answer: dict[str, Any]) -> ModelInfo | None:
 
 
 def set_model(model: str | os.PathLike[str] | None, context_tokens: int, timeout_s: float,
-              batch: int | None = None, parallelism: str = "auto") -> Plan[ModelInfo | None]:
+              batch: int | None = None, parallelism: str = "auto", kv_bits: int | None = None) -> Plan[ModelInfo | None]:
     """The model op, once: the cluster is asked to serve `model` (None: no model). Returns
     once the agent proposed the choice, before it commits (the agent may first download the
     model: it allows that hours)."""
     name = None if model is None else model_name(model)
-    answer = yield from ask_answer(_model_request(name, context_tokens, batch, parallelism), timeout_s)
+    answer = yield from ask_answer(_model_request(name, context_tokens, batch, parallelism, kv_bits), timeout_s)
     info = _accepted(answer)
     if name is not None and info is None:
         raise AgentError("the agent accepted the model but did not describe it")
@@ -92,12 +94,12 @@ def set_model(model: str | os.PathLike[str] | None, context_tokens: int, timeout
 
 
 def model_set(name: str, context_tokens: int, deadline: float, batch: int | None = None,
-              parallelism: str = "auto") -> Plan[ModelInfo]:
+              parallelism: str = "auto", kv_bits: int | None = None) -> Plan[ModelInfo]:
     """`set_model` for `load`: a connection that closes unanswered (the agent restarted) is
     retried until the deadline; a finished download is in the cache for the next try."""
     while True:
         now = yield Clock()
-        answer = yield from ask(_model_request(name, context_tokens, batch, parallelism), max(1.0, deadline - now),
+        answer = yield from ask(_model_request(name, context_tokens, batch, parallelism, kv_bits), max(1.0, deadline - now),
                                 eof_ok=True)
         if answer is not None:
             info = _accepted(answer)
@@ -129,17 +131,18 @@ def load_progress(name: str, p: Placement | None, floor: int, same: bool) -> Loa
 
 def load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, quorum_timeout_s: float,
             on_progress: Callable[[LoadProgress], None] | None, batch: int | None = None,
-            parallelism: str = "auto") -> Plan[LoadedModel]:
+            parallelism: str = "auto", kv_bits: int | None = None) -> Plan[LoadedModel]:
     name = model_name(model)
+    kv_bits = kv_bits or None  # 0 is full precision too, as status says it (null)
     start = yield Clock()
     deadline = start + timeout_s
     before = yield from healthy(min(timeout_s, quorum_timeout_s))
     # Already serving this model as asked: done at once (asked another way: a new epoch).
     same = (before.placement is not None and before.placement.model == name
-            and before.placement.parallelism_asked == parallelism)
+            and before.placement.parallelism_asked == parallelism and before.placement.kv_bits == kv_bits)
     floor = newest_epoch(before.placement)
     stale = before.placement.problem if before.placement is not None else None
-    info = yield from model_set(name, context_tokens, deadline, batch, parallelism)
+    info = yield from model_set(name, context_tokens, deadline, batch, parallelism, kv_bits)
     sent = yield Clock()
     # Always report acceptance first: the next poll often finds the model committed already.
     last: LoadProgress | None = load_progress(name, None, floor, same)
@@ -168,7 +171,7 @@ def load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, q
         if now >= deadline:
             raise ModelNotLoaded(f"{name} is not serving after {timeout_s:g} s: {progress.stage}, {progress.detail}")
         if progress.stage == "accepted" and now - sent >= MODEL_RESEND_S and st.healthy:
-            yield from model_set(name, context_tokens, deadline, batch, parallelism)
+            yield from model_set(name, context_tokens, deadline, batch, parallelism, kv_bits)
             sent = now
         yield Sleep(POLL_S)
 

@@ -126,6 +126,8 @@ class PendingPlacement:
     """Requests its head will serve at once (its KV cache reservation)."""
     parallelism: str | None = None
     groups: tuple[GroupInfo, ...] = ()
+    kv_bits: int | None = None
+    """Its workers' KV cache bits (4 or 8); None: full precision."""
 
     @property
     def ready_count(self) -> int:
@@ -163,6 +165,8 @@ class Placement:
     """The serving epoch's groups (a pipeline's: one Mac each)."""
     parallelism_asked: str = "auto"
     """What the model asked for (load's ``parallelism``)."""
+    kv_bits: int | None = None
+    """The serving epoch's KV cache bits (load's ``kv_bits``: 4 or 8); None: full precision."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +250,8 @@ class ModelInfo:
     parallelism: str = "auto"
     """What was asked for: "auto", "pipeline", "tensor" or "hybrid" (the placement says
     what was chosen)."""
+    kv_bits: int | None = None
+    """The KV cache's bits (4 or 8); None: full precision."""
 
 
 @dataclass(frozen=True)
@@ -316,6 +322,10 @@ def _opt_str(v: Any) -> str | None:
     return None if v is None else str(v)
 
 
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
 def _opt_float(v: Any) -> float | None:
     return None if v is None else float(v)
 
@@ -362,7 +372,7 @@ def _placement(d: Mapping[str, Any]) -> Placement:
         bool(d.get("serving")),
         PendingPlacement(int(pending["epoch"]), _stages(pending.get("stages")), tuple(str(n) for n in pending.get("ready") or ()),
                          tuple(str(n) for n in pending.get("fetched") or ()), int(pending.get("batch") or 1),
-                         _opt_str(pending.get("parallelism")), _groups(pending.get("groups")))
+                         _opt_str(pending.get("parallelism")), _groups(pending.get("groups")), _opt_int(pending.get("kv_bits")))
         if pending else None,
         PlacementProblem.from_json(d["problem"]) if d.get("problem") else None,
         int(d.get("batch") or 1),
@@ -370,6 +380,7 @@ def _placement(d: Mapping[str, Any]) -> Placement:
         _opt_str(d.get("parallelism")),
         _groups(d.get("groups")),
         str(d.get("parallelism_asked") or "auto"),
+        _opt_int(d.get("kv_bits")),
     )
 
 
@@ -377,7 +388,7 @@ def parse_model(d: Any) -> ModelInfo:
     """The model op's description of the model it accepted."""
     try:
         return ModelInfo(str(d["name"]), int(d.get("layers", 0)), int(d.get("layer_bytes", 0)), int(d["context_tokens"]),
-                         int(d.get("batch") or 1), str(d.get("parallelism") or "auto"))
+                         int(d.get("batch") or 1), str(d.get("parallelism") or "auto"), _opt_int(d.get("kv_bits")))
     except (KeyError, TypeError, ValueError, AttributeError):
         raise AgentError("the agent accepted the model but did not describe it") from None
 

@@ -143,12 +143,14 @@ def _apply_dataplane(
             placement_ring_epoch=cmd.ring_epoch,
             placement_hops=cmd.hops,
             placement_batch=cmd.batch,
+            placement_kv_bits=cmd.kv_bits,
             ready=(),
             fetched=(),
             restarts=state.restarts + 1 if cmd.restart else 0,
         )
         if not cmd.stages:
-            state = _replace(state, active_epoch=cmd.epoch, active=(), active_hops=(), active_batch=cmd.batch)
+            state = _replace(state, active_epoch=cmd.epoch, active=(), active_hops=(), active_batch=cmd.batch,
+                             active_kv_bits=cmd.kv_bits)
         return state
     if isinstance(cmd, WorkerFailed):
         member = find_member(state, cmd.node_id)
@@ -170,7 +172,7 @@ def _apply_dataplane(
         return state
     # Serving again: the last fault is history.
     return _replace(state, active_epoch=cmd.epoch, active=state.placement, active_hops=state.placement_hops,
-                    active_batch=state.placement_batch, fault=None)
+                    active_batch=state.placement_batch, active_kv_bits=state.placement_kv_bits, fault=None)
 
 
 def _update_member(m: Member, cmd: Promote | MarkDown | MarkUp | UpdateMember | PublishPorts | PublishMeasure) -> Member:

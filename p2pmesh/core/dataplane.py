@@ -52,6 +52,8 @@ class WantedWorker:
     rank: int
     batch: int = 1
     """Requests the epoch's head serves at once (its placement's KV reservation)."""
+    kv_bits: int = 0
+    """Its KV cache bits (the placement's; 0: full precision)."""
 
 
 def negotiate(state: ClusterState) -> SetPlacement | ActivatePlacement | None:
@@ -65,13 +67,17 @@ def negotiate(state: ClusterState) -> SetPlacement | ActivatePlacement | None:
     wanted, batch = found
     hops = pipeline_hops(state, wanted)
     model = state.model.name if state.model else ""
-    if wanted != state.placement or hops != state.placement_hops or batch != state.placement_batch:
-        return SetPlacement(state.placement_epoch + 1, model, wanted, state.ring_epoch, hops, batch=batch)
+    # Another kv_bits is a new epoch even on the same stages: workers quantize as they start.
+    kv_bits = state.model.kv_bits if state.model and wanted else 0
+    if (wanted != state.placement or hops != state.placement_hops or batch != state.placement_batch
+            or kv_bits != state.placement_kv_bits):
+        return SetPlacement(state.placement_epoch + 1, model, wanted, state.ring_epoch, hops, batch=batch, kv_bits=kv_bits)
     newest = max(state.active_epoch, state.placement_epoch)
     if wanted and state.failed_epoch >= newest and state.restarts < RESTARTS_MAX:
         # A worker of the newest epoch died with every Mac still up: the group cannot
         # re-form inside its processes, so start the same stages as a new epoch.
-        return SetPlacement(state.placement_epoch + 1, model, wanted, state.ring_epoch, hops, restart=True, batch=batch)
+        return SetPlacement(state.placement_epoch + 1, model, wanted, state.ring_epoch, hops, restart=True, batch=batch,
+                            kv_bits=kv_bits)
     return None  # already proposed (pending) or serving as it should
 
 
@@ -264,12 +270,12 @@ def wanted_workers(state: ClusterState, me: NodeId) -> list[WantedWorker]:
     only once every stage's files are fetched (``all_fetched``)."""
     out = []
     pending = state.placement if all_fetched(state) else ()
-    for epoch, stages, batch in ((state.active_epoch, state.active, state.active_batch),
-                                 (state.placement_epoch, pending, state.placement_batch)):
+    for epoch, stages, batch, kv_bits in ((state.active_epoch, state.active, state.active_batch, state.active_kv_bits),
+                                          (state.placement_epoch, pending, state.placement_batch, state.placement_kv_bits)):
         for rank, s in enumerate(stages):
             if s.node_id == me and not any(w.epoch == epoch for w in out):
                 model = state.model.name if state.model else ""
-                out.append(WantedWorker(epoch, model, stages, rank, batch))
+                out.append(WantedWorker(epoch, model, stages, rank, batch, kv_bits))
     return out
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from p2pmesh.core.kv_quant import kv_bytes_per_token
 from p2pmesh.core.messages import ClusterState, Measure, MeasureFailed, Member, ModelInfo
 from p2pmesh.core.placement import ModelSpec, NodeSpec
 
@@ -107,11 +108,13 @@ class PlacementProblem:
 
 
 def model_spec(info: ModelInfo, sequences: int = SEQUENCES) -> ModelSpec:
-    """The planner's view of a committed model, with KV cache for ``sequences`` contexts."""
+    """The planner's view of a committed model, with KV cache for ``sequences`` contexts (at
+    the model's kv_bits: core/kv_quant.py)."""
     return ModelSpec(
         layers=info.layers,
         layer_bytes=info.layer_bytes,
-        kv_bytes_per_token_per_layer=info.kv_bytes_per_token_per_layer * sequences,
+        kv_bytes_per_token_per_layer=kv_bytes_per_token(info.kv_bytes_per_token_per_layer, info.kv_bits,
+                                                         info.context_tokens) * sequences,
         context_tokens=info.context_tokens,
         activation_bytes=info.activation_bytes,
         embed_bytes=info.embed_bytes,

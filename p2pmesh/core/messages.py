@@ -119,6 +119,9 @@ class ModelInfo:
     parallelism: str = "auto"
     """What the user asked for (core/placement.PARALLELISM_CHOICES): "auto", "pipeline",
     "tensor" or "hybrid"; the committed placement says what the planner chose."""
+    kv_bits: int = 0
+    """The KV cache quantized to this many bits (core/protocol.KV_BITS_CHOICES); 0: full
+    precision (core/kv_quant.py counts it)."""
 
 
 @register(9)
@@ -315,6 +318,8 @@ class SetPlacement:
     batch: int = 1
     """Requests its head serves at once: the most, up to the model's ``batch``, whose KV
     cache fits beside the layers (core/dataplane.py)."""
+    kv_bits: int = 0
+    """Its workers' KV cache bits (the model's kv_bits when proposed; 0: full precision)."""
 
 
 @register(28)
@@ -437,6 +442,10 @@ class ClusterState:
     """The pending (newest) placement's batch (SetPlacement.batch)."""
     active_batch: int = 1
     """The serving epoch's batch."""
+    placement_kv_bits: int = 0
+    """The pending (newest) placement's KV cache bits (SetPlacement.kv_bits)."""
+    active_kv_bits: int = 0
+    """The serving epoch's KV cache bits."""
 
 
 @register(22)

@@ -54,6 +54,9 @@ BATCH_REQUESTS_MAX = 256
 QUEUE_REQUESTS_DEFAULT = 64
 """Requests a head worker holds waiting for a batch slot; beyond them it answers busy."""
 QUEUE_REQUESTS_MAX = 4096
+KV_BITS_CHOICES = (4, 8)
+"""load's kv_bits: the KV cache quantized to 4 or 8 bits (mlx-lm's QuantizedKVCache); absent
+(0 in a ModelInfo) is full precision."""
 
 # A resumed request (core/serving.py) travels in one InferRequest as its prompt plus every
 # token generated so far: that sequence must fit the wire codec's bound.

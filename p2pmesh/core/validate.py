@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from p2pmesh.core.placement import PARALLELISM_CHOICES
-from p2pmesh.core.protocol import BATCH_REQUESTS_MAX
+from p2pmesh.core.protocol import BATCH_REQUESTS_MAX, KV_BITS_CHOICES
 from p2pmesh.core.messages import (
     AppendEntries,
     Capabilities,
@@ -181,6 +181,11 @@ def model_problem(m: ModelInfo) -> str | None:
         return "model sizes must be positive (context_tokens and layer_bytes at least 1)"
     if not 1 <= m.batch <= BATCH_REQUESTS_MAX:
         return f"a model's batch (requests served at once) is 1 to {BATCH_REQUESTS_MAX}"
+    if m.kv_bits not in (0, *KV_BITS_CHOICES):
+        return f"a model's kv_bits is one of {', '.join(map(str, KV_BITS_CHOICES))} (or 0: full precision)"
+    if m.kv_bits and m.batch != 1:
+        # mlx-lm's batched cache (BatchKVCache) has no quantized form: one request at a time.
+        return "a quantized KV cache (kv_bits) serves one request at a time: its batch must be 1"
     return shape_problem(m)
 
 

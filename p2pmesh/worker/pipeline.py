@@ -45,6 +45,8 @@ step lists the group's requests in order: the ones the stage already has first, 
 newcomers, whose prefill caches are merged into the group (BatchKVCache.merge / extend);
 RELEASE filters rows out. So all stages hold the same groups as rank 0 decides them, and
 several groups (micro-batches) can be in flight along the ring at once, FIFO at every hop.
+With --kv-bits a request's caches become quantized ones as they grow (worker/kv_cache.py);
+those have no batched form, so rank 0 then serves one request at a time.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from p2pmesh.worker.kv_cache import KVQuant, batchable, quantized
 from p2pmesh.worker.model import Shard
 from p2pmesh.worker.ring_wake import wait_readable
 from p2pmesh.worker.sampling import sample, step_key_seed
@@ -282,8 +285,10 @@ class Stage:
     """A shard and its KV caches: one per request while it prefills, one batched cache per
     decode group afterwards (see the module comment)."""
 
-    def __init__(self, shard: Shard) -> None:
+    def __init__(self, shard: Shard, quant: KVQuant | None = None) -> None:
         self.shard = shard
+        self.quant = quant
+        """load --kv-bits: caches switch to quantized ones as they grow (worker/kv_cache.py)."""
         self.solo: dict[int, _Solo] = {}
         self.groups: dict[int, _Group] = {}
 
@@ -300,6 +305,7 @@ class Stage:
             held = None if s is None else s.position
             raise PipelineError(f"{self._where()}: request {row.no} holds {held} tokens, header says {row.position}")
         out = self.shard.forward(x, s.cache, last_only=True)
+        s.cache = quantized(s.cache, self.quant)
         # Compute before any communication: a send never waits on a long compute graph.
         mx.eval(out, [c.state for c in s.cache])
         s.position += x.shape[1]
@@ -317,6 +323,7 @@ class Stage:
             raise PipelineError(f"{self._where()}: group {group} positions {g.positions}, the step says {[r.position for r in rows]}")
         assert g.cache is not None
         out = self.shard.forward(x, g.cache, last_only=True)
+        g.cache = quantized(g.cache, self.quant)
         mx.eval(out, [c.state for c in g.cache])
         g.positions = [p + 1 for p in g.positions]
         return out
@@ -328,6 +335,9 @@ class Stage:
             if s is None:
                 raise PipelineError(f"{self._where()}: request {r.no} joins a group without a prefill")
             solos.append(s)
+        held = [g.cache] if g.cache is not None else []
+        if len(held) + len(solos) > 1 and not all(batchable(c) for c in (*held, *(s.cache for s in solos))):
+            raise PipelineError(f"{self._where()}: quantized KV caches (kv_bits) cannot be batched: one request at a time")
         if g.cache is None and len(solos) == 1:
             # A group of one keeps the request's own caches: single-stream decoding runs
             # exactly as unbatched (no padding mask, scalar RoPE offsets), at full speed.

@@ -131,8 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
     parser.add_argument("--max-tokens-cap", type=int, default=None)
     parser.add_argument("--max-line-bytes", type=int, default=None)
-    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="requests served at once")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help=f"requests served at once (default {DEFAULT_MAX_BATCH}; 1 with --kv-bits)")
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="requests waiting for a slot; more are refused (busy)")
+    parser.add_argument("--kv-bits", type=int, choices=limits_.KV_BITS_CHOICES, default=None,
+                        help="quantize the KV caches to 4 or 8 bits as they grow (worker/kv_cache.py); "
+                             "needs --max-batch 1 (default: full precision)")
     parser.add_argument("--micro-batches", type=int, default=None,
                         help="decode groups in flight along the ring (default: one per stage)")
     parser.add_argument("--group-sizes", default=None,
@@ -158,10 +162,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--rank {args.rank} is not one of the {len(stages)} stages")
         role = plan.role(args.rank)
         side = _side_addrs(args, plan, role) if plan.tensor else None
+        if args.max_batch is None:
+            args.max_batch = 1 if args.kv_bits else DEFAULT_MAX_BATCH
         if args.max_batch < 1 or args.max_queue < 0 or (args.micro_batches is not None and args.micro_batches < 1):
             raise ValueError("--max-batch and --micro-batches must be >= 1, --max-queue >= 0")
         if args.prefill_chunk is not None and args.prefill_chunk < 1:
             raise ValueError("--prefill-chunk must be >= 1")
+        if args.kv_bits and args.max_batch != 1:
+            raise ValueError("--kv-bits needs --max-batch 1: mlx-lm's batched KV cache has no quantized form")
     except ValueError as e:
         return _fail(emitter, EXIT_USAGE, str(e))
     board = LoadBoard() if args.rank == 0 else None
@@ -194,7 +202,7 @@ def _run(args: argparse.Namespace, plan: Plan, role: Role, side: SideAddrs | Non
          board: LoadBoard | None) -> int:
     import mlx.core as mx
 
-    from p2pmesh.worker import protocol
+    from p2pmesh.worker import kv_cache, protocol
     from p2pmesh.worker.checkpoint import CheckpointError, read_config
     from p2pmesh.worker.model import ModelError, load_shard, load_tokenizer, resolve_model
     from p2pmesh.worker.pipeline import PREFILL_CHUNK, Engine, Link, Stage, serve_member, serve_stage
@@ -263,7 +271,10 @@ def _run(args: argparse.Namespace, plan: Plan, role: Role, side: SideAddrs | Non
         return _fail(emitter, EXIT_FAILED, f"{type(e).__name__}: {e}")
     faulthandler.cancel_dump_traceback_later()
     emitter.emit(protocol.ready(rank, (start, end), load_s))
-    stage = Stage(shard)
+    quant, note = kv_cache.setup(args.kv_bits, shard.make_cache(), config)
+    if note is not None:
+        print(f"serve: {note}", file=sys.stderr, flush=True)
+    stage = Stage(shard, quant)
     try:
         if rank != 0:
             assert link is not None

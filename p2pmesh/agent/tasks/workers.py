@@ -65,14 +65,16 @@ LINE_BYTES_MAX = 1 << 20
 
 
 def worker_command(model: str, stages: Any, rank: int, backend: str, config: WorkersConfig, batch: int | None = None,
-                   extra: Sequence[str] = ()) -> list[str]:
+                   extra: Sequence[str] = (), kv_bits: int = 0) -> list[str]:
     """The command line of one rank's worker process (worker/serve.py): it serves the
     placement's batch (the requests whose KV cache the placement reserved) at most, and this
-    agent's --max-batch at most; ``extra``: the tensor groups' options (GroupLaunch.args)."""
+    agent's --max-batch at most; ``extra``: the tensor groups' options (GroupLaunch.args);
+    ``kv_bits``: the placement's KV cache bits (0: full precision, no option)."""
     max_batch = config.max_batch if batch is None else max(1, min(config.max_batch, batch))
+    quantized = ["--kv-bits", str(kv_bits)] if kv_bits else []
     return [sys.executable, "-m", "p2pmesh.worker.serve", "--model", model, "--stages", json.dumps(stages),
             "--rank", str(rank), "--backend", backend,
-            "--max-batch", str(max_batch), "--max-queue", str(config.max_queue), *extra]
+            "--max-batch", str(max_batch), "--max-queue", str(config.max_queue), *quantized, *extra]
 
 
 @dataclass
@@ -221,7 +223,7 @@ class Supervisor:
                 env[launch.file_env[name]] = str(path)
             env.update(launch.env)
         model = model_dir(want.model, self.config.model_root, self.config.state_dir)
-        cmd = worker_command(model, stages, want.rank, backend, self.config, want.batch, args)
+        cmd = worker_command(model, stages, want.rank, backend, self.config, want.batch, args, want.kv_bits)
         log_file = open(cfg_dir / f"worker-{want.epoch}.log", "ab")  # noqa: SIM115 - owned by the process
         try:
             process = await trio.lowlevel.open_process(
