@@ -41,6 +41,15 @@ minicpm3 decompress first and cache full heads."""
 SLIDING_FAMILIES_BY_PATTERN = ("gemma3",)
 """Families whose mlx-lm model alternates sliding and full layers by sliding_window_pattern
 (every pattern-th layer full) when config.json has no layer_types."""
+QK_NORM_FAMILIES = ("qwen3", "gemma3")
+"""Families whose attention always normalises queries and keys (others say use_qk_norm)."""
+FOUR_NORM_FAMILIES = ("gemma2", "gemma3")
+"""Families with a norm before and after both the attention and the MLP (four a layer)."""
+ROUTER_BIAS_FAMILIES = frozenset({"gpt_oss", "glm4_moe", "deepseek_v3", "deepseek_v32", "kimi_k2"})
+"""Routers with a bias per expert (gpt-oss's linear bias; e_score_correction_bias)."""
+GATE_ARRAY_FAMILIES = frozenset({"deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe",
+                                 "glm4_moe_lite"})
+"""Families whose router (MoEGate) holds its weight as a bare array (mlx-lm's models)."""
 EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_top_k")
 
@@ -234,6 +243,9 @@ def _attention(c: Mapping[str, Any], model_type: str, h: int, heads: int) -> tup
     vectors = (q_out + 2 * kv_out) if bias else 0
     if c.get("attention_bias") and model_type == "gpt_oss":
         vectors += h + heads  # o_proj bias and the attention sinks
+    if model_type.startswith(QK_NORM_FAMILIES) or c.get("use_qk_norm"):
+        # RMSNorm of queries and keys: per head, or over all heads (MiniMax's per_layer norm)
+        vectors += (q_out + kv_out) if model_type.startswith("minimax") else 2 * head_dim
     return Params(h * q_out + 2 * h * kv_out + q_out * h, vectors), 2 * kv_out
 
 
@@ -302,8 +314,11 @@ def model_size(config: Mapping[str, Any]) -> ModelSize:
         expert = _gated(h, expert_inter)
         if model_type == "gpt_oss":
             expert = expert + Params(0, 2 * expert_inter + h)  # gate_up and down biases
-        router = Params(h * experts, experts if (model_type == "gpt_oss" or c.get("topk_method") == "noaux_tc"
-                                                 or c.get("use_routing_bias")) else 0)
+        routing_bias = (model_type in ROUTER_BIAS_FAMILIES or c.get("topk_method") == "noaux_tc"
+                        or bool(c.get("use_routing_bias")))
+        bias = experts if routing_bias else 0
+        # A MoEGate's weight is a bare array, not a Linear: mlx-lm leaves it unquantized.
+        router = Params(0, h * experts + bias) if model_type in GATE_ARRAY_FAMILIES else Params(h * experts, bias)
         shared = Params()
         n_shared = _int(c, "n_shared_experts", default=0, lo=0) or _int(c, "num_shared_experts", default=0, lo=0)
         if n_shared:
@@ -314,7 +329,7 @@ def model_size(config: Mapping[str, Any]) -> ModelSize:
             shared = _gated(h, _int(c, "shared_intermediate_size"))
     if any(not m for m in moe) and not dense_inter:
         raise ModelSizeError("intermediate_size", "config.json lacks 'intermediate_size' for its dense layers")
-    norms = Params(0, 2 * h)
+    norms = Params(0, (4 if model_type.startswith(FOUR_NORM_FAMILIES) else 2) * h)
     sizes = []
     for i in range(layers):
         if moe[i]:
