@@ -121,8 +121,8 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="compare tests/fixtures/plans/moe/ instead of writing it")
     args = parser.parse_args()
     differ = []
-    print("| model | bits | Macs | weights | memory per Mac used | chosen | tpot | tok/s | one Mac |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | bits | Macs | weights | memory per Mac used | chosen | tpot | tok/s | best pipeline | one Mac |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (name, title), bits, (macs, ram) in itertools.product(MODELS, BITS, CLUSTERS):
         data = scenario(name, bits, macs, ram)
         path = OUT / f"{name}-{bits}bit-{macs}x{ram}.json"
@@ -140,13 +140,17 @@ def main() -> int:
         try:
             plan = solve_placement(model, nodes, links)
         except PlacementError:
-            print(f"| {title} | {bits} | {macs}x {ram} GB | {weights:.0f} GB | does not fit | - | - | - | {one} |")
+            print(f"| {title} | {bits} | {macs}x {ram} GB | {weights:.0f} GB | does not fit | - | - | - | - | {one} |")
             continue
+        try:
+            piped = f"{1000 / solve_placement(model, nodes, links, parallelism='pipeline').tpot_ms:.1f} tok/s"
+        except PlacementError:  # whole layers per Mac do not add up where shares of every layer do
+            piped = "does not fit"
         mem = memory_per_mac(data)
         used = ", ".join(f"{v:.0f}" for v in mem.values())
         kind = plan.parallelism + (f" ({len(plan.layout[0].node_ids)} Macs)" if plan.parallelism == "tensor" else "")
         print(f"| {title} | {bits} | {macs}x {ram} GB | {weights:.0f} GB | {used} GB | {kind} | {plan.tpot_ms:.2f} ms "
-              f"| {1000 / plan.tpot_ms:.1f} | {one} |")
+              f"| {1000 / plan.tpot_ms:.1f} | {piped} | {one} |")
     print("\nExpert parallelism against tensor parallelism, 4 Macs, 4-bit, 8k context (ms per token, layers only;"
           " speed against TP in brackets):\n")
     print("| model | links | E[most experts on one Mac] (of k) | tensor parallel | EP, attention replicated "

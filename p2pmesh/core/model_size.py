@@ -26,21 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from p2pmesh.core.config_shape import (GROUP_SIZE, KV_BITS, ModelSizeError, cache_elements, config_int, kv_bytes,
+                                       kv_element_bytes, kv_per_token_per_layer, routed_experts, windows)
 from p2pmesh.core.model_spec import CONFIG_DTYPE_BYTES, DEFAULT_ACTIVATION_BYTES, is_tied, tensor_shape, text_config
 
-GROUP_SIZE = 64
-"""MLX's default quantization group (mlx_lm.convert --q-group-size, QuantizedKVCache)."""
 BITS = (2, 3, 4, 5, 6, 8, 16)
-KV_BITS = (2, 3, 4, 5, 6, 8)
-LATENT_CACHE_FAMILIES = frozenset({
-    "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "joyai_llm_flash", "glm4_moe_lite", "longcat_flash",
-})
-"""MLA families whose mlx-lm attention caches the compressed latent (kv_lora_rank) and the
-shared rotary key (qk_rope_head_dim) instead of per-head keys and values; deepseek_v2 and
-minicpm3 decompress first and cache full heads."""
-SLIDING_FAMILIES_BY_PATTERN = ("gemma3",)
-"""Families whose mlx-lm model alternates sliding and full layers by sliding_window_pattern
-(every pattern-th layer full) when config.json has no layer_types."""
 QK_NORM_FAMILIES = ("qwen3", "gemma3")
 """Families whose attention always normalises queries and keys (others say use_qk_norm)."""
 FOUR_NORM_FAMILIES = ("gemma2", "gemma3")
@@ -50,16 +40,7 @@ ROUTER_BIAS_FAMILIES = frozenset({"gpt_oss", "glm4_moe", "deepseek_v3", "deepsee
 GATE_ARRAY_FAMILIES = frozenset({"deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe",
                                  "glm4_moe_lite"})
 """Families whose router (MoEGate) holds its weight as a bare array (mlx-lm's models)."""
-EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_top_k")
 
-
-class ModelSizeError(ValueError):
-    """config.json lacks a field the sizing needs, or has a bad value; ``field`` names it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,33 +146,19 @@ class ModelSize:
         return (sum(layer.active.nbytes(bits, self.dtype_bytes) for layer in self.layers)
                 + head + self.hidden_size * self.dtype_bytes + self.final_norm.nbytes(bits, self.dtype_bytes))
 
+    def cache_layout(self) -> tuple[tuple[int, int], ...]:
+        """(cache elements per token, window) per layer (core/config_shape.kv_bytes)."""
+        return tuple((layer.kv_elements, layer.window) for layer in self.layers)
+
     def kv_bytes(self, context_tokens: int, kv_bits: int | None = None) -> int:
-        """The KV cache of one sequence of ``context_tokens`` over all layers, a sliding layer
-        holding its window at most (mlx-lm's RotatingKVCache). ``kv_bits``: mlx-lm's quantized
-        cache (QuantizedKVCache, groups of GROUP_SIZE with a scale and a bias each) for the
-        layers that grow with the context; mlx-lm does not quantize a rotating cache."""
-        total = 0
-        for layer in self.layers:
-            tokens = min(context_tokens, layer.window) if layer.window else context_tokens
-            total += tokens * kv_element_bytes(layer.kv_elements, self.dtype_bytes, None if layer.window else kv_bits)
-        return total
+        """The KV cache of one sequence of ``context_tokens`` over all layers (a sliding layer
+        holds its window at most; ``kv_bits``: mlx-lm's quantized cache; config_shape.kv_bytes)."""
+        return kv_bytes(self.cache_layout(), context_tokens, self.dtype_bytes, kv_bits)
 
     def kv_bytes_per_token_per_layer(self, context_tokens: int, kv_bits: int | None = None) -> int:
         """kv_bytes / (context_tokens x layers), rounded up: what the planner multiplies by
         layers and context again (never less than the real cache)."""
-        tokens = max(1, context_tokens)
-        return -(-self.kv_bytes(tokens, kv_bits) // (tokens * len(self.layers)))
-
-
-def kv_element_bytes(elements: int, dtype_bytes: int, kv_bits: int | None) -> int:
-    """Bytes of ``elements`` cache values of one token: the dtype, or kv_bits each plus a scale
-    and a bias (dtype) per group of GROUP_SIZE, as mlx-lm's QuantizedKVCache packs them."""
-    if kv_bits is None:
-        return elements * dtype_bytes
-    if kv_bits not in KV_BITS:
-        raise ModelSizeError("kv_bits", f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, not {kv_bits}")
-    groups = -(-elements // GROUP_SIZE)
-    return -(-elements * kv_bits // 8) + groups * 2 * dtype_bytes
+        return kv_per_token_per_layer(self.cache_layout(), context_tokens, self.dtype_bytes, kv_bits)
 
 
 def kv_bytes_per_token_per_layer(config: Mapping[str, Any], context_tokens: int, kv_bits: int | None = None) -> int:
@@ -204,40 +171,21 @@ def kv_bytes_per_token_per_layer(config: Mapping[str, Any], context_tokens: int,
 # --- reading config.json -------------------------------------------------------------------
 
 
-def _int(c: Mapping[str, Any], key: str, *, default: int | None = None, lo: int = 1) -> int:
-    raw = c.get(key)
-    if raw is None:
-        if default is None:
-            raise ModelSizeError(key, f"config.json lacks {key!r}")
-        return default
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or raw != int(raw) or int(raw) < lo:
-        raise ModelSizeError(key, f"config.json field {key!r} must be an integer >= {lo}, not {raw!r}")
-    return int(raw)
-
-
-def _first(c: Mapping[str, Any], keys: Sequence[str]) -> tuple[str, int]:
-    for key in keys:
-        if c.get(key) is not None:
-            return key, _int(c, key, lo=0)
-    return keys[0], 0
-
-
-def _attention(c: Mapping[str, Any], model_type: str, h: int, heads: int) -> tuple[Params, int]:
-    """(attention parameters, cache elements per token) of one layer."""
+def _attention(c: Mapping[str, Any], model_type: str, h: int, heads: int) -> Params:
+    """The attention parameters of one layer."""
     if c.get("kv_lora_rank"):  # MLA (deepseek_v2/v3, kimi_k2, glm4_moe_lite ...)
-        kv_rank = _int(c, "kv_lora_rank")
-        rope = _int(c, "qk_rope_head_dim")
-        nope = _int(c, "qk_nope_head_dim", lo=0)
-        v_dim = _int(c, "v_head_dim")
+        kv_rank = config_int(c, "kv_lora_rank")
+        rope = config_int(c, "qk_rope_head_dim")
+        nope = config_int(c, "qk_nope_head_dim", lo=0)
+        v_dim = config_int(c, "v_head_dim")
         q_dim = heads * (nope + rope)
-        q_rank = _int(c, "q_lora_rank", default=0, lo=0)
+        q_rank = config_int(c, "q_lora_rank", default=0, lo=0)
         q = Params(h * q_rank + q_rank * q_dim, q_rank) if q_rank else Params(h * q_dim)
         kv = Params(h * (kv_rank + rope) + kv_rank * heads * (nope + v_dim), kv_rank)
         o = Params(heads * v_dim * h)
-        cached = kv_rank + rope if model_type in LATENT_CACHE_FAMILIES else heads * (nope + rope + v_dim)
-        return q + kv + o, cached
-    kv_heads = _int(c, "num_key_value_heads", default=heads)
-    head_dim = _int(c, "head_dim", default=h // heads)
+        return q + kv + o
+    kv_heads = config_int(c, "num_key_value_heads", default=heads)
+    head_dim = config_int(c, "head_dim", default=h // heads)
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
     bias = bool(c.get("attention_bias") or c.get("qkv_bias")) or model_type in ("qwen2", "qwen2_moe")
     vectors = (q_out + 2 * kv_out) if bias else 0
@@ -246,34 +194,16 @@ def _attention(c: Mapping[str, Any], model_type: str, h: int, heads: int) -> tup
     if model_type.startswith(QK_NORM_FAMILIES) or c.get("use_qk_norm"):
         # RMSNorm of queries and keys: per head, or over all heads (MiniMax's per_layer norm)
         vectors += (q_out + kv_out) if model_type.startswith("minimax") else 2 * head_dim
-    return Params(h * q_out + 2 * h * kv_out + q_out * h, vectors), 2 * kv_out
-
-
-def _windows(c: Mapping[str, Any], model_type: str, layers: int) -> list[int]:
-    """Per layer, the tokens its cache holds at most (0: all), as mlx-lm's make_cache builds it."""
-    window = c.get("sliding_window")
-    types = c.get("layer_types")
-    if isinstance(types, list) and types:
-        if len(types) < layers:
-            raise ModelSizeError("layer_types", f"config.json's layer_types has {len(types)} entries for {layers} layers")
-        if "sliding_attention" in types[:layers] and not window:
-            raise ModelSizeError("sliding_window", "config.json has sliding_attention layers but no sliding_window")
-        return [_int(c, "sliding_window") if t == "sliding_attention" else 0 for t in types[:layers]]
-    if model_type == "gpt_oss" and window:  # mlx-lm's default: sliding and full alternating
-        return [int(window) if i % 2 == 0 else 0 for i in range(layers)]
-    if model_type.startswith(SLIDING_FAMILIES_BY_PATTERN) and window:
-        pattern = _int(c, "sliding_window_pattern", default=6)
-        return [0 if i % pattern == pattern - 1 else int(window) for i in range(layers)]
-    return [0] * layers
+    return Params(h * q_out + 2 * h * kv_out + q_out * h, vectors)
 
 
 def _moe_layers(c: Mapping[str, Any], layers: int) -> list[bool]:
     """Which layers are mixtures of experts (the rest dense), by the family's own keys."""
-    dense_first = _int(c, "first_k_dense_replace", default=0, lo=0)
+    dense_first = config_int(c, "first_k_dense_replace", default=0, lo=0)
     only_mlp = set(c.get("mlp_only_layers") or ())
     freq = c.get("moe_layer_freq", 1)
-    step = _int(c, "decoder_sparse_step", default=1) if c.get("decoder_sparse_step") else 1
-    interleave = _int(c, "interleave_moe_layer_step", default=1) if c.get("interleave_moe_layer_step") else 1
+    step = config_int(c, "decoder_sparse_step", default=1) if c.get("decoder_sparse_step") else 1
+    interleave = config_int(c, "interleave_moe_layer_step", default=1) if c.get("interleave_moe_layer_step") else 1
     out = []
     for i in range(layers):
         if isinstance(freq, list):
@@ -295,22 +225,20 @@ def model_size(config: Mapping[str, Any]) -> ModelSize:
         raise ModelSizeError("config", "config.json must be a JSON object")
     c = text_config(config)
     model_type = str(c.get("model_type") or config.get("model_type") or "")
-    layers = _int(c, "num_hidden_layers")
-    h = _int(c, "hidden_size")
-    heads = _int(c, "num_attention_heads")
-    vocab = _int(c, "vocab_size")
+    layers = config_int(c, "num_hidden_layers")
+    h = config_int(c, "hidden_size")
+    heads = config_int(c, "num_attention_heads")
+    vocab = config_int(c, "vocab_size")
     dtype = str(c.get("torch_dtype") or c.get("dtype") or "")
     dtype_bytes = CONFIG_DTYPE_BYTES.get(dtype, DEFAULT_ACTIVATION_BYTES)
-    attention, cached = _attention(c, model_type, h, heads)
-    windows = _windows(c, model_type, layers)
-    _, experts = _first(c, EXPERT_KEYS)
-    top_key, top_k = _first(c, TOP_K_KEYS)
-    if experts and not top_k:
-        raise ModelSizeError(top_key, f"config.json names {experts} experts but not how many a token uses ({top_key})")
-    dense_inter = _int(c, "intermediate_size_mlp", default=0, lo=0) or _int(c, "intermediate_size", default=0, lo=0)
+    attention = _attention(c, model_type, h, heads)
+    cached = cache_elements(c, model_type)
+    window = windows(c, model_type, layers)
+    experts, top_k = routed_experts(c)
+    dense_inter = config_int(c, "intermediate_size_mlp", default=0, lo=0) or config_int(c, "intermediate_size", default=0, lo=0)
     moe = _moe_layers(c, layers) if experts else [False] * layers
     if experts:
-        expert_inter = _int(c, "moe_intermediate_size", default=0, lo=0) or _int(c, "intermediate_size")
+        expert_inter = config_int(c, "moe_intermediate_size", default=0, lo=0) or config_int(c, "intermediate_size")
         expert = _gated(h, expert_inter)
         if model_type == "gpt_oss":
             expert = expert + Params(0, 2 * expert_inter + h)  # gate_up and down biases
@@ -320,22 +248,22 @@ def model_size(config: Mapping[str, Any]) -> ModelSize:
         # A MoEGate's weight is a bare array, not a Linear: mlx-lm leaves it unquantized.
         router = Params(0, h * experts + bias) if model_type in GATE_ARRAY_FAMILIES else Params(h * experts, bias)
         shared = Params()
-        n_shared = _int(c, "n_shared_experts", default=0, lo=0) or _int(c, "num_shared_experts", default=0, lo=0)
+        n_shared = config_int(c, "n_shared_experts", default=0, lo=0) or config_int(c, "num_shared_experts", default=0, lo=0)
         if n_shared:
             shared = _gated(h, expert_inter * n_shared)
         elif c.get("shared_expert_intermediate_size"):
-            shared = _gated(h, _int(c, "shared_expert_intermediate_size")) + Params(h)  # with its sigmoid gate
+            shared = _gated(h, config_int(c, "shared_expert_intermediate_size")) + Params(h)  # with its sigmoid gate
         elif c.get("shared_intermediate_size"):
-            shared = _gated(h, _int(c, "shared_intermediate_size"))
+            shared = _gated(h, config_int(c, "shared_intermediate_size"))
     if any(not m for m in moe) and not dense_inter:
         raise ModelSizeError("intermediate_size", "config.json lacks 'intermediate_size' for its dense layers")
     norms = Params(0, (4 if model_type.startswith(FOUR_NORM_FAMILIES) else 2) * h)
     sizes = []
     for i in range(layers):
         if moe[i]:
-            sizes.append(LayerSize(attention, norms + router + shared, expert, experts, top_k, cached, windows[i]))
+            sizes.append(LayerSize(attention, norms + router + shared, expert, experts, top_k, cached, window[i]))
         else:
-            sizes.append(LayerSize(attention, norms + _gated(h, dense_inter), Params(), 0, 0, cached, windows[i]))
+            sizes.append(LayerSize(attention, norms + _gated(h, dense_inter), Params(), 0, 0, cached, window[i]))
     quant = c.get("quantization") or config.get("quantization")
     default_bits = 16
     if isinstance(quant, Mapping) and quant.get("bits") in BITS:
@@ -348,7 +276,7 @@ def model_size(config: Mapping[str, Any]) -> ModelSize:
         final_norm=Params(0, h),
         hidden_size=h,
         experts=experts,
-        experts_per_token=min(top_k, experts) if experts else 0,
+        experts_per_token=top_k,
         dtype_bytes=dtype_bytes,
         default_bits=default_bits,
     )
