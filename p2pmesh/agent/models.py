@@ -66,7 +66,8 @@ def describe(name: str, path: Path, context_tokens: int, batch: int = 1, paralle
     from p2pmesh.core.model_spec import ModelSpecError, model_spec
 
     try:
-        n = model_spec(read_config(path), model_files.tensor_bytes(name, path))
+        # The KV cache at this context: a sliding layer holds its window only (core/config_shape.py).
+        n = model_spec(read_config(path), model_files.tensor_bytes(name, path), context_tokens=context_tokens)
     except ModelSpecError as exc:
         raise ModelError(f"{name}: {exc}") from None
     except model_files.ModelFilesError as exc:

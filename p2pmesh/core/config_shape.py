@@ -97,6 +97,12 @@ def windows(c: Mapping[str, Any], model_type: str, layers: int) -> list[int]:
     return [0] * layers
 
 
+def cache_layout(c: Mapping[str, Any], model_type: str, layers: int) -> list[tuple[int, int]]:
+    """(cache elements per token, window) of each layer (kv_bytes reads it)."""
+    elements = cache_elements(c, model_type)
+    return [(elements, w) for w in windows(c, model_type, layers)]
+
+
 def kv_element_bytes(elements: int, dtype_bytes: int, kv_bits: int | None) -> int:
     """Bytes of ``elements`` cache values of one token: the dtype, or kv_bits each plus a scale
     and a bias (dtype) per group of GROUP_SIZE, as mlx-lm's QuantizedKVCache packs them."""
