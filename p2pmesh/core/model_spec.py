@@ -169,7 +169,7 @@ def parse_safetensors_header(prefix: bytes) -> tuple[int, list[TensorEntry]]:
 
 
 def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, activation_dtype_bytes: int | None = None,
-               context_tokens: int | None = None) -> ModelSpec:
+               context_tokens: int | None = None, kv_bits: int | None = None) -> ModelSpec:
     """Sizes of the model named by `config` (parsed config.json) whose checkpoint holds
     `tensor_bytes` (tensor name -> bytes, over all safetensors files).
 
@@ -177,7 +177,8 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
     `activation_dtype_bytes` when the caller knows better, e.g. a quantized checkpoint
     computing in float16). The KV cache is the family's real one (core/config_shape.py: MLA's
     latent, sliding windows); a sliding layer counts its window only at a given
-    ``context_tokens`` (the average over layers), else as if it held every token."""
+    ``context_tokens`` (the average over layers), else as if it held every token. ``kv_bits``:
+    mlx-lm's quantized KV cache (`p2pmesh load --kv-bits`) for the layers that grow."""
     c = text_config(config)
     try:
         layers = int(c["num_hidden_layers"])
@@ -216,12 +217,11 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
     try:
         layout = cache_layout(c, model_type, layers)
         experts, top_k = routed_experts(c)
+        if context_tokens is None:  # every layer as if it held every token
+            layout = [(elements, 0) for elements, _ in layout]
+        kv = kv_per_token_per_layer(layout, context_tokens or 1, dtype_bytes, kv_bits)
     except ModelSizeError as exc:
         raise ModelSpecError(str(exc)) from None
-    if context_tokens is None:
-        kv = max(elements for elements, _ in layout) * dtype_bytes
-    else:
-        kv = kv_per_token_per_layer(layout, context_tokens, dtype_bytes)
     active = 0
     if experts and any(routed):  # a token reads top_k of each layer's experts (the rest: all)
         active = -(-sum(b - r + -(-r * top_k // experts) for b, r in zip(per_layer, routed)) // layers)

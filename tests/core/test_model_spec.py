@@ -92,3 +92,8 @@ def test_moe_and_mla_sizes() -> None:
     assert model_spec(sliding, TENSORS, context_tokens=64).kv_bytes_per_token_per_layer == -(-(full * (8 + 64 + 64)) // (3 * 64))
     with pytest.raises(ModelSpecError, match="num_experts_per_tok"):
         model_spec({**config, "num_experts_per_tok": None}, tensors)
+    # --kv-bits: mlx-lm's QuantizedKVCache, bits/8 a value plus a bf16 scale and bias per 64.
+    assert model_spec(CONFIG, TENSORS, kv_bits=8).kv_bytes_per_token_per_layer == 64 + 4
+    assert model_spec(CONFIG, TENSORS, context_tokens=4096, kv_bits=4).kv_bytes_per_token_per_layer == 32 + 4
+    with pytest.raises(ModelSpecError, match="kv_bits"):
+        model_spec(CONFIG, TENSORS, kv_bits=7)
