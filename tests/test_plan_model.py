@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from p2pmesh.core.model_size import ModelSizeError, kv_bytes_per_token_per_layer, model_size, planner_model
+from p2pmesh.core.model_size import kv_bytes_per_token_per_layer, model_size, planner_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "fixtures" / "hf_configs"
@@ -96,19 +96,12 @@ def test_kv_cache_is_the_familys_real_cache() -> None:
     assert size.kv_bytes(4096) == (2 * 4096 + 10 * 512) * 2 * 64 * 2
 
 
-def test_quantized_kv_cache_for_the_kv_bits_option() -> None:
-    # mlx-lm's QuantizedKVCache: bits/8 a value + a scale and a bias (bf16) per group of 64.
-    mixtral = _config("mixtral-8x7b")
-    elements = 2 * 8 * 128
-    assert kv_bytes_per_token_per_layer(mixtral, 8192, kv_bits=8) == elements + elements // 64 * 4
-    assert kv_bytes_per_token_per_layer(mixtral, 8192, kv_bits=4) == elements // 2 + elements // 64 * 4
-    # A rotating (sliding) cache is not quantized by mlx-lm: only gpt-oss's full layers shrink.
-    gpt = _config("gpt-oss-120b")
-    full_q4 = (2 * 8 * 64) // 2 + (2 * 8 * 64) // 64 * 4
-    assert kv_bytes_per_token_per_layer(gpt, 8192, kv_bits=4) == -(-(full_q4 * 8192 + 2048 * 128) // (2 * 8192))
-    with pytest.raises(ModelSizeError) as err:
-        kv_bytes_per_token_per_layer(mixtral, 8192, kv_bits=7)
-    assert err.value.field == "kv_bits"
+def test_the_block_says_whether_kv_bits_can_shrink_the_cache() -> None:
+    """`load --kv-bits` (core/kv_quant.py) quantizes full-attention caches of plain heads only:
+    not MLA's latent (DeepSeek-V3), not an attention with sinks (gpt-oss)."""
+    quantizable = {name: planner_model(_config(name))["kv_quantizable"] for name, *_ in PUBLISHED}
+    assert quantizable == {"mixtral-8x7b": True, "qwen3-235b-a22b": True, "deepseek-v3": False,
+                           "gpt-oss-120b": False, "llama-3-70b": True}
 
 
 def test_the_block_pastes_into_plan_solve(tmp_path: Path) -> None:

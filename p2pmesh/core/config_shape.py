@@ -11,9 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-GROUP_SIZE = 64
-"""MLX's default quantization group (mlx_lm.convert --q-group-size, QuantizedKVCache)."""
-KV_BITS = (2, 3, 4, 5, 6, 8)
 LATENT_CACHE_FAMILIES = frozenset({
     "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "joyai_llm_flash", "glm4_moe_lite", "longcat_flash",
 })
@@ -103,33 +100,22 @@ def cache_layout(c: Mapping[str, Any], model_type: str, layers: int) -> list[tup
     return [(elements, w) for w in windows(c, model_type, layers)]
 
 
-def kv_element_bytes(elements: int, dtype_bytes: int, kv_bits: int | None) -> int:
-    """Bytes of ``elements`` cache values of one token: the dtype, or kv_bits each plus a scale
-    and a bias (dtype) per group of GROUP_SIZE, as mlx-lm's QuantizedKVCache packs them."""
-    if kv_bits is None:
-        return elements * dtype_bytes
-    if kv_bits not in KV_BITS:
-        raise ModelSizeError("kv_bits", f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, not {kv_bits}")
-    groups = -(-elements // GROUP_SIZE)
-    return -(-elements * kv_bits // 8) + groups * 2 * dtype_bytes
+def kv_quantizable(c: Mapping[str, Any], model_type: str) -> bool:
+    """Whether mlx-lm can quantize this family's full-attention caches (`load --kv-bits`,
+    core/kv_quant.py): not MLA's latent cache (its attention reads the latent itself) nor an
+    attention with sinks (gpt-oss); a sliding layer's rotating cache never is."""
+    return not c.get("kv_lora_rank") and model_type != "gpt_oss"
 
 
-def kv_bytes(layout: Sequence[tuple[int, int]], context_tokens: int, dtype_bytes: int,
-             kv_bits: int | None = None) -> int:
+def kv_bytes(layout: Sequence[tuple[int, int]], context_tokens: int, dtype_bytes: int) -> int:
     """The KV cache of one sequence of ``context_tokens`` over layers given as (elements per
-    token, window): a sliding layer holds its window at most (mlx-lm's RotatingKVCache).
-    ``kv_bits``: mlx-lm's quantized cache for the layers that grow with the context; mlx-lm
-    does not quantize a rotating cache."""
-    total = 0
-    for elements, window in layout:
-        tokens = min(context_tokens, window) if window else context_tokens
-        total += tokens * kv_element_bytes(elements, dtype_bytes, None if window else kv_bits)
-    return total
+    token, window): a sliding layer holds its window at most (mlx-lm's RotatingKVCache)."""
+    return sum((min(context_tokens, window) if window else context_tokens) * elements * dtype_bytes
+               for elements, window in layout)
 
 
-def kv_per_token_per_layer(layout: Sequence[tuple[int, int]], context_tokens: int, dtype_bytes: int,
-                           kv_bits: int | None = None) -> int:
+def kv_per_token_per_layer(layout: Sequence[tuple[int, int]], context_tokens: int, dtype_bytes: int) -> int:
     """kv_bytes / (context_tokens x layers), rounded up: what the planner multiplies by layers
     and context again (never less than the real cache)."""
     tokens = max(1, context_tokens)
-    return -(-kv_bytes(layout, tokens, dtype_bytes, kv_bits) // (tokens * len(layout)))
+    return -(-kv_bytes(layout, tokens, dtype_bytes) // (tokens * len(layout)))

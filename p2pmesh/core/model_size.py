@@ -26,11 +26,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from p2pmesh.core.config_shape import (GROUP_SIZE, KV_BITS, ModelSizeError, cache_elements, config_int, kv_bytes,
-                                       kv_element_bytes, kv_per_token_per_layer, routed_experts, windows)
+from p2pmesh.core.config_shape import (ModelSizeError, cache_elements, config_int, kv_bytes, kv_per_token_per_layer,
+                                       kv_quantizable, routed_experts, windows)
 from p2pmesh.core.model_spec import CONFIG_DTYPE_BYTES, DEFAULT_ACTIVATION_BYTES, is_tied, tensor_shape, text_config
 
 BITS = (2, 3, 4, 5, 6, 8, 16)
+GROUP_SIZE = 64
+"""MLX's default quantization group (mlx_lm.convert --q-group-size)."""
 QK_NORM_FAMILIES = ("qwen3", "gemma3")
 """Families whose attention always normalises queries and keys (others say use_qk_norm)."""
 FOUR_NORM_FAMILIES = ("gemma2", "gemma3")
@@ -150,22 +152,22 @@ class ModelSize:
         """(cache elements per token, window) per layer (core/config_shape.kv_bytes)."""
         return tuple((layer.kv_elements, layer.window) for layer in self.layers)
 
-    def kv_bytes(self, context_tokens: int, kv_bits: int | None = None) -> int:
-        """The KV cache of one sequence of ``context_tokens`` over all layers (a sliding layer
-        holds its window at most; ``kv_bits``: mlx-lm's quantized cache; config_shape.kv_bytes)."""
-        return kv_bytes(self.cache_layout(), context_tokens, self.dtype_bytes, kv_bits)
+    def kv_bytes(self, context_tokens: int) -> int:
+        """The full-precision KV cache of one sequence of ``context_tokens`` over all layers (a
+        sliding layer holds its window at most; config_shape.kv_bytes)."""
+        return kv_bytes(self.cache_layout(), context_tokens, self.dtype_bytes)
 
-    def kv_bytes_per_token_per_layer(self, context_tokens: int, kv_bits: int | None = None) -> int:
+    def kv_bytes_per_token_per_layer(self, context_tokens: int) -> int:
         """kv_bytes / (context_tokens x layers), rounded up: what the planner multiplies by
         layers and context again (never less than the real cache)."""
-        return kv_per_token_per_layer(self.cache_layout(), context_tokens, self.dtype_bytes, kv_bits)
+        return kv_per_token_per_layer(self.cache_layout(), context_tokens, self.dtype_bytes)
 
 
-def kv_bytes_per_token_per_layer(config: Mapping[str, Any], context_tokens: int, kv_bits: int | None = None) -> int:
-    """The planner's KV bytes per token per layer for a config.json at a context, optionally
-    with mlx-lm's quantized KV cache (``kv_bits``): for callers that have only the config
-    (`p2pmesh load --kv-bits`). ModelSizeError on a bad config or kv_bits."""
-    return model_size(config).kv_bytes_per_token_per_layer(context_tokens, kv_bits)
+def kv_bytes_per_token_per_layer(config: Mapping[str, Any], context_tokens: int) -> int:
+    """The planner's full-precision KV bytes per token per layer for a config.json at a
+    context (the family's real cache). With `load --kv-bits`, core/kv_quant.kv_bytes_per_token
+    scales it where config_shape.kv_quantizable says mlx-lm can. ModelSizeError on a bad config."""
+    return model_size(config).kv_bytes_per_token_per_layer(context_tokens)
 
 
 # --- reading config.json -------------------------------------------------------------------
@@ -288,8 +290,7 @@ def check_bits(bits: int) -> int:
     return bits
 
 
-def planner_model(config: Mapping[str, Any], bits: int | None = None, context_tokens: int = 4096,
-                  kv_bits: int | None = None) -> dict[str, Any]:
+def planner_model(config: Mapping[str, Any], bits: int | None = None, context_tokens: int = 4096) -> dict[str, Any]:
     """The model block of a `plan solve` scenario (core/placement.parse_scenario reads it) for a
     config.json at ``bits`` (default: the checkpoint's own quantization, else 16) and a context,
     with the sizes a person checks beside it (total and active bytes and parameters, experts)."""
@@ -310,13 +311,12 @@ def planner_model(config: Mapping[str, Any], bits: int | None = None, context_to
         "active_params": size.active_params,
         "experts": size.experts,
         "experts_per_token": size.experts_per_token,
-        "kv_bytes_per_token_per_layer": size.kv_bytes_per_token_per_layer(context_tokens, kv_bits),
+        "kv_bytes_per_token_per_layer": size.kv_bytes_per_token_per_layer(context_tokens),
+        "kv_quantizable": kv_quantizable(text_config(config), size.model_type),
         "context_tokens": context_tokens,
         "activation_bytes": size.hidden_size * size.dtype_bytes,
         "embed_bytes": size.embed_bytes(bits),
     }
-    if kv_bits is not None:
-        block["kv_bits"] = kv_bits
     # The shape a tensor group splits, as the cluster reads it (all four, or none).
     block.update(tensor_shape(text_config(config)))
     if "num_attention_heads" in block:
@@ -333,6 +333,6 @@ def gigabytes(n: int) -> str:
 
 
 __all__ = [
-    "BITS", "GROUP_SIZE", "KV_BITS", "LayerSize", "ModelSize", "ModelSizeError", "Params", "billions", "check_bits",
-    "gigabytes", "kv_bytes_per_token_per_layer", "kv_element_bytes", "model_size", "planner_model",
+    "BITS", "GROUP_SIZE", "LayerSize", "ModelSize", "ModelSizeError", "Params", "billions", "check_bits", "gigabytes",
+    "kv_bytes_per_token_per_layer", "kv_quantizable", "model_size", "planner_model",
 ]

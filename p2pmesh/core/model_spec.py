@@ -80,8 +80,14 @@ class ModelSpec:
     """What one token reads of a layer, on average over the layers (rounded up): for a mixture
     of experts, everything but the routed experts plus num_experts_per_tok / experts of them
     (issue 17). 0 for a dense model (it reads all of layer_bytes)."""
+    attention_bytes: int = 0
+    """The largest layer's attention tensors (ATTENTION_TENSOR_RE): what a tensor group splits
+    by heads (placement_cost.ModelSpec.attention_bytes); 0 when the names do not say."""
 
 
+ATTENTION_TENSOR_RE = re.compile(r"\.(?:self_attn|attention|attn)\.")
+"""A layer's attention tensors: "...layers.3.self_attn.q_proj.weight" (most families),
+"...attention..." / "...attn..." (a few)."""
 EXPERT_TENSOR_RE = re.compile(r"\.(?:experts|switch_mlp)\.")
 """A routed expert's tensors: "...mlp.experts.3.up_proj.weight" (Hugging Face), "...mlp.
 switch_mlp.up_proj.weight" (mlx-lm's stacked experts), "...block_sparse_moe.experts.0.w1"
@@ -169,7 +175,7 @@ def parse_safetensors_header(prefix: bytes) -> tuple[int, list[TensorEntry]]:
 
 
 def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, activation_dtype_bytes: int | None = None,
-               context_tokens: int | None = None, kv_bits: int | None = None) -> ModelSpec:
+               context_tokens: int | None = None) -> ModelSpec:
     """Sizes of the model named by `config` (parsed config.json) whose checkpoint holds
     `tensor_bytes` (tensor name -> bytes, over all safetensors files).
 
@@ -177,8 +183,7 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
     `activation_dtype_bytes` when the caller knows better, e.g. a quantized checkpoint
     computing in float16). The KV cache is the family's real one (core/config_shape.py: MLA's
     latent, sliding windows); a sliding layer counts its window only at a given
-    ``context_tokens`` (the average over layers), else as if it held every token. ``kv_bits``:
-    mlx-lm's quantized KV cache (`p2pmesh load --kv-bits`) for the layers that grow."""
+    ``context_tokens`` (the average over layers), else as if it held every token."""
     c = text_config(config)
     try:
         layers = int(c["num_hidden_layers"])
@@ -193,6 +198,7 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
     )
     per_layer = [0] * layers
     routed = [0] * layers  # routed experts' bytes in each layer
+    attention = [0] * layers
     embed = head = norm = 0
     for name, nbytes in tensor_bytes.items():
         i = layer_index(name)
@@ -201,6 +207,8 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
                 per_layer[i] += nbytes
                 if EXPERT_TENSOR_RE.search(name):
                     routed[i] += nbytes
+                elif ATTENTION_TENSOR_RE.search(name):
+                    attention[i] += nbytes
         elif is_embedding(name):
             embed += nbytes
         elif is_head(name):
@@ -219,7 +227,7 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
         experts, top_k = routed_experts(c)
         if context_tokens is None:  # every layer as if it held every token
             layout = [(elements, 0) for elements, _ in layout]
-        kv = kv_per_token_per_layer(layout, context_tokens or 1, dtype_bytes, kv_bits)
+        kv = kv_per_token_per_layer(layout, context_tokens or 1, dtype_bytes)
     except ModelSizeError as exc:
         raise ModelSpecError(str(exc)) from None
     active = 0
@@ -238,6 +246,7 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
         total_bytes=sum(per_layer) + embed + head + norm,
         **tensor_shape(c),
         active_layer_bytes=active,
+        attention_bytes=max(attention),
     )
 
 

@@ -85,15 +85,12 @@ def test_moe_and_mla_sizes() -> None:
     assert spec.layer_bytes == 300 + 200 + 8000
     assert spec.active_layer_bytes == -(-(1000 + 300 + 200 + 2000) // 2)
     assert spec.kv_bytes_per_token_per_layer == (32 + 16) * 2
+    assert spec.attention_bytes == 300
     assert model_spec(CONFIG, TENSORS).active_layer_bytes == 0  # dense
+    assert model_spec(CONFIG, TENSORS).attention_bytes == 8192 + 4096 + 4096 + 8192
     sliding = {**CONFIG, "layer_types": ["sliding_attention", "full_attention", "full_attention"], "sliding_window": 8}
     full = 2 * 2 * 16 * 2
     assert model_spec(sliding, TENSORS).kv_bytes_per_token_per_layer == full
     assert model_spec(sliding, TENSORS, context_tokens=64).kv_bytes_per_token_per_layer == -(-(full * (8 + 64 + 64)) // (3 * 64))
     with pytest.raises(ModelSpecError, match="num_experts_per_tok"):
         model_spec({**config, "num_experts_per_tok": None}, tensors)
-    # --kv-bits: mlx-lm's QuantizedKVCache, bits/8 a value plus a bf16 scale and bias per 64.
-    assert model_spec(CONFIG, TENSORS, kv_bits=8).kv_bytes_per_token_per_layer == 64 + 4
-    assert model_spec(CONFIG, TENSORS, context_tokens=4096, kv_bits=4).kv_bytes_per_token_per_layer == 32 + 4
-    with pytest.raises(ModelSpecError, match="kv_bits"):
-        model_spec(CONFIG, TENSORS, kv_bits=7)
