@@ -88,6 +88,9 @@ def describe(name: str, path: Path, context_tokens: int, batch: int = 1, paralle
         num_key_value_heads=n.num_key_value_heads,
         intermediate_size=n.intermediate_size,
         parallelism=parallelism,
+        # A mixture of experts: what a token reads of a layer (the planner's tensor split).
+        active_layer_bytes=n.active_layer_bytes,
+        attention_bytes=min(n.attention_bytes, n.active_layer_bytes or n.layer_bytes),
     )
 
 

@@ -119,6 +119,11 @@ class ModelInfo:
     parallelism: str = "auto"
     """What the user asked for (core/placement.PARALLELISM_CHOICES): "auto", "pipeline",
     "tensor" or "hybrid"; the committed placement says what the planner chose."""
+    # What a token reads of a layer, where not all of it (a mixture of experts: attention,
+    # shared and active experts; core/model_spec.py), and a layer's attention weights: tensor
+    # groups split a measured layer_ms by them (core/tensor_cost.py). 0 = dense / unknown.
+    active_layer_bytes: int = 0
+    attention_bytes: int = 0
 
 
 @register(9)

@@ -181,6 +181,8 @@ def model_problem(m: ModelInfo) -> str | None:
         return "model sizes must be positive (context_tokens and layer_bytes at least 1)"
     if not 1 <= m.batch <= BATCH_REQUESTS_MAX:
         return f"a model's batch (requests served at once) is 1 to {BATCH_REQUESTS_MAX}"
+    if not 0 <= m.active_layer_bytes <= m.layer_bytes or not 0 <= m.attention_bytes <= (m.active_layer_bytes or m.layer_bytes):
+        return "a model's active layer bytes are at most its layer bytes, and its attention bytes at most those"
     return shape_problem(m)
 
 

@@ -98,3 +98,21 @@ def test_deepseek_v3_on_four_512gb_ultras_is_tensor_parallel_within_memory() -> 
     read = model.active_layer_bytes + model.kv_bytes_per_token_per_layer * model.context_tokens
     assert nodes[0].layer_ms == pytest.approx(read / 819e9 * 1e3, abs=1e-4)
     assert model.active_layer_bytes < model.layer_bytes / 15
+
+
+def test_the_cluster_carries_active_bytes_to_the_planner() -> None:
+    """A committed model (ModelInfo, from the checkpoint: core/model_spec.py) gives the planner
+    what a token reads; a record that says more than the layer holds is refused."""
+    from p2pmesh.core.fit import model_spec as planner_spec
+    from p2pmesh.core.messages import ModelInfo
+    from p2pmesh.core.validate import model_problem
+
+    info = ModelInfo("m", 60, 6_500_000_000, 1152, 8192, 14336, 500_000_000, hidden_size=7168,
+                     num_attention_heads=128, num_key_value_heads=128, intermediate_size=18432,
+                     active_layer_bytes=300_000_000, attention_bytes=100_000_000)
+    assert model_problem(info) is None
+    spec = planner_spec(info)
+    assert (spec.active_layer_bytes, spec.attention_bytes) == (300_000_000, 100_000_000)
+    assert model_problem(dataclasses.replace(info, active_layer_bytes=7_000_000_000)) is not None
+    assert model_problem(dataclasses.replace(info, attention_bytes=400_000_000)) is not None
+    assert planner_spec(dataclasses.replace(info, active_layer_bytes=0, attention_bytes=0)).read_layer_bytes == 6_500_000_000
