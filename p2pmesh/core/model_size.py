@@ -16,13 +16,14 @@ reads are named where they are read. Checked against published counts (Mixtral 8
 Quantization is MLX's affine scheme: ``bits`` 16 is bf16 (2 bytes a weight); 2-8 bits store
 bits/8 bytes a weight plus a scale and a bias (bf16) per group of GROUP_SIZE weights. Every
 matrix is quantized (linear layers, experts, embeddings, head); vectors (norms, biases,
-sinks) stay in the compute dtype.
+sinks) and a MoEGate's bare weight array stay in the compute dtype. MLPs are gated (SwiGLU:
+gate, up and down projections), as in every family above.
 
 Pure: no I/O; only p2pmesh.core imports.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +67,8 @@ class Params:
         """Bytes at ``bits`` per matrix weight (module comment), vectors in the compute dtype."""
         if bits == 16:
             weights = self.matrix * 2
-        else:  # bits/8 a weight + a 2-byte scale and a 2-byte bias per group: (2 bits + 1) / 16 a weight
-            weights = -(-self.matrix * (2 * bits + 1) // 16)
+        else:  # bits/8 a weight + a bf16 scale and a bf16 bias per group of GROUP_SIZE weights
+            weights = -(-self.matrix * bits // 8) + -(-self.matrix // GROUP_SIZE) * 2 * 2
         return weights + self.vector * dtype_bytes
 
 
