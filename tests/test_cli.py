@@ -26,7 +26,7 @@ ANSI = "\x1b["
 PROMPT = "the quick brown fox"
 READ_COMMANDS = [
     ["status"], ["members"], ["ring"], ["links"], ["watch"], ["generate", "x"], ["chat", "x"], ["load", "m"],
-    ["plan", "solve", "s.json"], ["ring", "solve", "g.json"], ["local"], ["links", "parse", "--system-profiler", "f"],
+    ["plan", "solve", "s.json"], ["plan", "model", "c.json"], ["ring", "solve", "g.json"], ["local"], ["links", "parse", "--system-profiler", "f"],
     ["service", "status"], ["doctor"],
 ]
 

@@ -67,7 +67,8 @@ def describe(name: str, path: Path, context_tokens: int, batch: int = 1, paralle
     from p2pmesh.core.model_spec import ModelSpecError, model_spec
 
     try:
-        n = model_spec(read_config(path), model_files.tensor_bytes(name, path))
+        # The KV cache at this context: a sliding layer holds its window only (core/config_shape.py).
+        n = model_spec(read_config(path), model_files.tensor_bytes(name, path), context_tokens=context_tokens)
     except ModelSpecError as exc:
         raise ModelError(f"{name}: {exc}") from None
     except model_files.ModelFilesError as exc:
@@ -89,6 +90,9 @@ def describe(name: str, path: Path, context_tokens: int, batch: int = 1, paralle
         intermediate_size=n.intermediate_size,
         parallelism=parallelism,
         kv_bits=kv_bits,
+        # A mixture of experts: what a token reads of a layer (the planner's tensor split).
+        active_layer_bytes=n.active_layer_bytes,
+        attention_bytes=min(n.attention_bytes, n.active_layer_bytes or n.layer_bytes),
     )
 
 

@@ -17,6 +17,7 @@ output is drawn with rich and is plain text in a pipe.
   p2pmesh leave [--timeout S]
   p2pmesh links [--json] | links parse|plan|apply ...
   p2pmesh plan solve SCENARIO.json [--json] [--strategy ours|memory-proportional]
+  p2pmesh plan model CONFIG.json [--bits B] [--context-tokens C] [--json]   (size a model before downloading it)
   p2pmesh doctor [--json] [--interface NAME]...               (checks this Mac and says what to fix)
   p2pmesh local --nodes N [--model PATH] [--netns] [--json]   (N agents on this computer)
   p2pmesh service install | uninstall | status [--json]       (start the agent at login)

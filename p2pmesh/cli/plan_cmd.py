@@ -1,10 +1,12 @@
-"""`p2pmesh plan solve SCENARIO.json`: the layer placement for a described cluster.
+"""`p2pmesh plan solve SCENARIO.json`: the layer placement for a described cluster; `p2pmesh
+plan model CONFIG.json`: the model block of such a scenario from a Hugging Face config.json.
 
-A thin shell over core/placement.py (docs/placement.md): read the file, parse it, solve with
-the chosen strategy (ours or the memory-proportional baseline) and parallelism (auto: one
-Mac, a pipeline, tensor or hybrid, whichever is fastest), print. Exit codes: 0 a plan, 1 the
-model fits nowhere (stderr says how much memory is missing), 2 the file is unreadable or
-malformed, or the parallelism asked for cannot be planned from it.
+Thin shells over core/placement.py and core/model_size.py (docs/placement.md): read the file,
+parse it, solve with the chosen strategy (ours or the memory-proportional baseline) and
+parallelism (auto: one Mac, a pipeline, tensor or hybrid, whichever is fastest), print. Exit
+codes: 0 a plan (or a model block), 1 the model fits nowhere (stderr says how much memory is
+missing), 2 the file is unreadable or malformed (the message names the field), or the
+parallelism asked for cannot be planned from it.
 """
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from p2pmesh.core.protocol import CONTEXT_TOKENS_DEFAULT
+
 EXIT_OK, EXIT_NO_FIT, EXIT_USAGE = 0, 1, 2
 STRATEGIES = ("ours", "memory-proportional")
 
 
 def add_parser(subparsers: Any) -> None:
-    plan = subparsers.add_parser("plan", help="plan which Mac runs which layers (`plan solve`)")
+    plan = subparsers.add_parser("plan", help="plan which Mac runs which layers (`plan solve`, `plan model`)")
     plan.set_defaults(run=run)
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
     solve = plan_sub.add_parser("solve", help="place a model's layers on a described cluster (docs/placement.md)")
@@ -32,9 +36,20 @@ def add_parser(subparsers: Any) -> None:
     solve.add_argument("--parallelism", choices=("auto", "pipeline", "tensor", "hybrid"), default="auto",
                        help="auto: the fastest of one Mac, a pipeline, tensor and hybrid (default); "
                             "or only that kind (tensor and hybrid need the model's shape)")
+    model = plan_sub.add_parser("model", help="size a model from its config.json, before downloading it "
+                                "(the model block of a plan solve scenario)")
+    model.add_argument("config", type=Path, help="a Hugging Face config.json")
+    model.add_argument("--bits", type=int, default=None,
+                       help="weights' quantization: 16 (bf16) or 2-8 (MLX affine, groups of 64); "
+                            "default the config's own quantization, else 16")
+    model.add_argument("--context-tokens", type=int, default=CONTEXT_TOKENS_DEFAULT,
+                       help=f"context the KV cache is sized for (default {CONTEXT_TOKENS_DEFAULT})")
+    model.add_argument("--json", action="store_true", help="print the model block as one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plan_command == "model":
+        return _run_model(args)
     from p2pmesh.core.placement import (
         ParallelismError,
         PlacementError,
@@ -44,13 +59,8 @@ def run(args: argparse.Namespace) -> int:
         solve_placement,
     )
 
-    try:
-        data = json.loads(args.scenario.read_text(encoding="utf-8"))
-    except OSError as exc:
-        print(f"p2pmesh: cannot read {args.scenario}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        print(f"p2pmesh: {args.scenario} is not JSON: {exc}", file=sys.stderr)
+    data = _read_json(args.scenario)
+    if data is None:
         return EXIT_USAGE
     try:
         model, nodes, links = parse_scenario(data)
@@ -100,3 +110,43 @@ def _print_plan(plan: Any, node_ids: list[str]) -> None:
     print(f"parallelism: {plan.parallelism}")
     print(f"predicted time per token: {plan.tpot_ms:.3f} ms ({1000 / plan.tpot_ms:.1f} tokens/s single stream); "
           f"slowest stage {plan.bottleneck_ms:.3f} ms")
+
+
+def _read_json(path: Path) -> Any:
+    """The parsed file, or None after saying on stderr why it cannot be read."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        print(f"p2pmesh: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        print(f"p2pmesh: {path} is not JSON: {exc}", file=sys.stderr)
+    return None
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    from p2pmesh.core.model_size import ModelSizeError, billions, gigabytes, planner_model
+
+    config = _read_json(args.config)
+    if config is None:
+        return EXIT_USAGE
+    try:
+        block = planner_model(config, args.bits, args.context_tokens)
+    except ModelSizeError as exc:
+        print(f"p2pmesh: {args.config}: {exc} (field {exc.field})", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(block))
+        return EXIT_OK
+    b = block
+    experts = (f"{b['experts']} experts, {b['experts_per_token']} per token" if b["experts"] else "dense")
+    print(f"{b['model_type'] or 'model'}: {b['layers']} layers, {experts}, {b['bits']}-bit weights")
+    print(f"parameters: {billions(b['total_params'])} total, {billions(b['active_params'])} read per token")
+    print(f"memory: {gigabytes(b['total_bytes'])} of weights{' (every expert)' if b['experts'] else ''}; largest layer "
+          f"{gigabytes(b['layer_bytes'])}, embeddings/head {gigabytes(b['embed_bytes'])}")
+    print(f"per token: {gigabytes(b['active_bytes_per_token'])} of weights read "
+          f"({gigabytes(b['active_layer_bytes'])} a layer on average)")
+    kv_total = b["kv_bytes_per_token_per_layer"] * b["layers"] * b["context_tokens"]
+    print(f"KV cache: {b['kv_bytes_per_token_per_layer']} bytes per token per layer at {b['context_tokens']} tokens "
+          f"({gigabytes(kv_total)} for one full context)")
+    print("paste `--json`'s object as the \"model\" of a `p2pmesh plan solve` scenario")
+    return EXIT_OK

@@ -122,6 +122,8 @@ def model_spec(info: ModelInfo, sequences: int = SEQUENCES) -> ModelSpec:
         num_attention_heads=info.num_attention_heads,
         num_key_value_heads=info.num_key_value_heads,
         intermediate_size=info.intermediate_size,
+        active_layer_bytes=info.active_layer_bytes,
+        attention_bytes=info.attention_bytes,
     )
 
 

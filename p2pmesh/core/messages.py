@@ -122,6 +122,11 @@ class ModelInfo:
     kv_bits: int = 0
     """The KV cache quantized to this many bits (core/protocol.KV_BITS_CHOICES); 0: full
     precision (core/kv_quant.py counts it)."""
+    # What a token reads of a layer, where not all of it (a mixture of experts: attention,
+    # shared and active experts; core/model_spec.py), and a layer's attention weights: tensor
+    # groups split a measured layer_ms by them (core/tensor_cost.py). 0 = dense / unknown.
+    active_layer_bytes: int = 0
+    attention_bytes: int = 0
 
 
 @register(9)

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from p2pmesh.core.config_shape import ModelSizeError, cache_layout, kv_per_token_per_layer, routed_experts
+
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 """A decoder layer's tensors are named "...layers.<i>.<...>" (model.layers.3.mlp.up_proj.weight)."""
 
@@ -74,6 +76,22 @@ class ModelSpec:
     num_attention_heads: int = 0
     num_key_value_heads: int = 0
     intermediate_size: int = 0
+    active_layer_bytes: int = 0
+    """What one token reads of a layer, on average over the layers (rounded up): for a mixture
+    of experts, everything but the routed experts plus num_experts_per_tok / experts of them
+    (issue 17). 0 for a dense model (it reads all of layer_bytes)."""
+    attention_bytes: int = 0
+    """The largest layer's attention tensors (ATTENTION_TENSOR_RE): what a tensor group splits
+    by heads (placement_cost.ModelSpec.attention_bytes); 0 when the names do not say."""
+
+
+ATTENTION_TENSOR_RE = re.compile(r"\.(?:self_attn|attention|attn)\.")
+"""A layer's attention tensors: "...layers.3.self_attn.q_proj.weight" (most families),
+"...attention..." / "...attn..." (a few)."""
+EXPERT_TENSOR_RE = re.compile(r"\.(?:experts|switch_mlp)\.")
+"""A routed expert's tensors: "...mlp.experts.3.up_proj.weight" (Hugging Face), "...mlp.
+switch_mlp.up_proj.weight" (mlx-lm's stacked experts), "...block_sparse_moe.experts.0.w1"
+(Mixtral), "...mlp.experts.gate_up_proj" (gpt-oss); not "shared_experts"."""
 
 
 def layer_index(name: str) -> int | None:
@@ -156,13 +174,16 @@ def parse_safetensors_header(prefix: bytes) -> tuple[int, list[TensorEntry]]:
     return 8 + n, entries
 
 
-def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, activation_dtype_bytes: int | None = None) -> ModelSpec:
+def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, activation_dtype_bytes: int | None = None,
+               context_tokens: int | None = None) -> ModelSpec:
     """Sizes of the model named by `config` (parsed config.json) whose checkpoint holds
     `tensor_bytes` (tensor name -> bytes, over all safetensors files).
 
     The KV cache and the activations are in the model's compute dtype (torch_dtype, or
     `activation_dtype_bytes` when the caller knows better, e.g. a quantized checkpoint
-    computing in float16)."""
+    computing in float16). The KV cache is the family's real one (core/config_shape.py: MLA's
+    latent, sliding windows); a sliding layer counts its window only at a given
+    ``context_tokens`` (the average over layers), else as if it held every token."""
     c = text_config(config)
     try:
         layers = int(c["num_hidden_layers"])
@@ -170,18 +191,24 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
         heads = int(c["num_attention_heads"])
     except (KeyError, TypeError, ValueError):
         raise ModelSpecError("config.json lacks num_hidden_layers, hidden_size or num_attention_heads") from None
-    kv_heads = int(c.get("num_key_value_heads") or heads)
-    head_dim = int(c.get("head_dim") or hidden // heads)
+    if min(layers, hidden, heads) < 1:
+        raise ModelSpecError("config.json's num_hidden_layers, hidden_size and num_attention_heads must be positive")
     dtype_bytes = activation_dtype_bytes or CONFIG_DTYPE_BYTES.get(
         str(c.get("torch_dtype") or c.get("dtype") or ""), DEFAULT_ACTIVATION_BYTES
     )
     per_layer = [0] * layers
+    routed = [0] * layers  # routed experts' bytes in each layer
+    attention = [0] * layers
     embed = head = norm = 0
     for name, nbytes in tensor_bytes.items():
         i = layer_index(name)
         if i is not None:
             if i < layers:  # extra layers (MTP) are dropped by mlx-lm's sanitize
                 per_layer[i] += nbytes
+                if EXPERT_TENSOR_RE.search(name):
+                    routed[i] += nbytes
+                elif ATTENTION_TENSOR_RE.search(name):
+                    attention[i] += nbytes
         elif is_embedding(name):
             embed += nbytes
         elif is_head(name):
@@ -194,6 +221,18 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
     tied = is_tied(config)
     if tied:
         head = 0  # a tied checkpoint may still ship lm_head.weight; mlx-lm drops it
+    model_type = str(c.get("model_type") or "")
+    try:
+        layout = cache_layout(c, model_type, layers)
+        experts, top_k = routed_experts(c)
+        if context_tokens is None:  # every layer as if it held every token
+            layout = [(elements, 0) for elements, _ in layout]
+        kv = kv_per_token_per_layer(layout, context_tokens or 1, dtype_bytes)
+    except ModelSizeError as exc:
+        raise ModelSpecError(str(exc)) from None
+    active = 0
+    if experts and any(routed):  # a token reads top_k of each layer's experts (the rest: all)
+        active = -(-sum(b - r + -(-r * top_k // experts) for b, r in zip(per_layer, routed)) // layers)
     return ModelSpec(
         layers=layers,
         hidden_size=hidden,
@@ -201,11 +240,13 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
         embed_bytes=embed,
         head_bytes=head,
         norm_bytes=norm,
-        kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * dtype_bytes,
+        kv_bytes_per_token_per_layer=kv,
         activation_bytes=hidden * dtype_bytes,
         tied=tied,
         total_bytes=sum(per_layer) + embed + head + norm,
         **tensor_shape(c),
+        active_layer_bytes=active,
+        attention_bytes=max(attention),
     )
 
 

@@ -346,6 +346,15 @@ def _shape_fields(m: dict[str, object]) -> dict[str, int]:
     return out
 
 
+def _active_fields(m: dict[str, object]) -> dict[str, int]:
+    """The optional bytes a token reads of a layer and a layer's attention (issue 17; `p2pmesh
+    plan model` prints them): each at most what contains it."""
+    layer = _int_field(m, "layer_bytes", "model", 1, BYTES_MAX)
+    active = _int_field(m, "active_layer_bytes", "model", 0, layer, default=0)
+    attention = _int_field(m, "attention_bytes", "model", 0, active or layer, default=0)
+    return {"active_layer_bytes": active, "attention_bytes": attention}
+
+
 def parse_scenario(data: object) -> tuple[ModelSpec, list[NodeSpec], list[Link]]:
     """Validate a `plan solve` scenario; ScenarioError (or the ring's RingError, both
     ValueError) names the bad field."""
@@ -362,6 +371,7 @@ def parse_scenario(data: object) -> tuple[ModelSpec, list[NodeSpec], list[Link]]
         activation_bytes=_int_field(m, "activation_bytes", "model", 0, BYTES_MAX, default=0),
         embed_bytes=_int_field(m, "embed_bytes", "model", 0, BYTES_MAX, default=0),
         **_shape_fields(m),
+        **_active_fields(m),
     )
     raw_nodes = data.get("nodes")
     if not isinstance(raw_nodes, list) or not 1 <= len(raw_nodes) <= NODES_MAX:

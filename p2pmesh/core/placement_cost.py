@@ -73,6 +73,19 @@ class ModelSpec:
     num_attention_heads: int = 0
     num_key_value_heads: int = 0
     intermediate_size: int = 0
+    # What one token reads of a layer, where it is not all of it (issue 17: a mixture of
+    # experts reads its attention, shared experts and num_experts_per_tok routed experts, not
+    # every expert). 0 = layer_bytes (dense). A Mac's measured layer_ms already reflects it;
+    # tensor groups split layer_ms by it (core/tensor_cost.py), and scenarios that derive
+    # layer_ms from memory bandwidth use it (docs/placement.md).
+    active_layer_bytes: int = 0
+    attention_bytes: int = 0
+    """A layer's attention weights (split by heads in a tensor group); 0 = from the shape."""
+
+    @property
+    def read_layer_bytes(self) -> int:
+        """Weights one token reads in a layer (all of layer_bytes for a dense model)."""
+        return self.active_layer_bytes or self.layer_bytes
 
     @property
     def has_shape(self) -> bool:
@@ -204,9 +217,14 @@ def _check_model(model: ModelSpec) -> None:
     if model.layer_bytes < 1:
         raise ValueError("model.layer_bytes must be positive")
     for name in ("kv_bytes_per_token_per_layer", "context_tokens", "activation_bytes", "embed_bytes", "hidden_size",
-                 "num_attention_heads", "num_key_value_heads", "intermediate_size"):
+                 "num_attention_heads", "num_key_value_heads", "intermediate_size", "active_layer_bytes",
+                 "attention_bytes"):
         if getattr(model, name) < 0:
             raise ValueError(f"model.{name} must not be negative")
+    if model.active_layer_bytes > model.layer_bytes:
+        raise ValueError("model.active_layer_bytes must not exceed model.layer_bytes")
+    if model.attention_bytes > model.read_layer_bytes:
+        raise ValueError("model.attention_bytes must not exceed the bytes a token reads of a layer")
 
 
 def _check_nodes(nodes: Sequence[NodeSpec]) -> None:

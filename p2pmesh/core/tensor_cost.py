@@ -8,14 +8,17 @@ query heads per KV head, so no KV head is held twice), and a share of the MLP co
 (intermediate_size, in blocks of COLUMN_BLOCK so that MLX's quantisation groups of 64 stay
 whole). Shares may be uneven and a rank may hold no KV head: 3 Macs split 8 KV heads 3/3/2.
 
-Per layer and token (decode is memory-bound, so a rank's time is its bytes of the layer over
-its bandwidth, which its measured layer_ms already folds in):
+Per layer and token (decode is memory-bound, so a rank's time is the bytes it reads of the
+layer over its bandwidth, which its measured layer_ms already folds in):
 
-    layer = max_r (layer_ms_r x attention bytes of r / layer bytes)  + all-reduce
-          + max_r (layer_ms_r x MLP bytes of r / layer bytes)        + all-reduce
+    layer = max_r (layer_ms_r x attention bytes read by r / bytes read)  + all-reduce
+          + max_r (layer_ms_r x MLP bytes read by r / bytes read)        + all-reduce
 
 The bytes of a layer are split by parameter count (q, o: 2 h^2; k, v: 2 h (K h / H); MLP:
-3 h I); the KV cache of the configured context goes with the KV heads. Each all-reduce waits
+3 h I), or by the model's attention_bytes when it says them; the KV cache of the configured
+context goes with the KV heads. A mixture of experts reads, per token, its attention and the
+active experts only (ModelSpec.active_layer_bytes, issue 17), while its memory holds every
+expert: the MLP's share of the time is the active bytes', of the memory all experts'. Each all-reduce waits
 for the slowest rank, hence the two maxima. A ring all-reduce of B bytes (B = the model's
 activation_bytes, hidden_size x bytes per element) over s ranks takes 2 (s - 1) steps, each
 the slowest ring edge's latency + (B / s) / bandwidth. The latency of an edge is
@@ -62,7 +65,9 @@ TOKEN_BYTES = 4
 
 @dataclass(frozen=True, slots=True)
 class TensorShape:
-    """The model's shape as tensor parallelism splits it, per layer."""
+    """The model's shape as tensor parallelism splits it, per layer: memory (weights and KV
+    cache) and, separately, the bytes one token reads, which for a mixture of experts is not
+    every expert (issue 17)."""
     kv_heads: int
     heads_per_kv: int
     blocks: int  # MLP column blocks
@@ -70,12 +75,20 @@ class TensorShape:
     attn_bytes_per_kv: float  # weights (q, k, v, o) and KV cache of one KV head
     mlp_bytes_per_block: float
     layer_bytes: int  # weights and KV cache of a whole layer (ModelSpec.bytes_per_layer)
+    attn_read_per_kv: float  # what a token reads of them: all of the attention and its cache ...
+    mlp_read_per_block: float  # ... and the routed experts' share (dense: all of the MLP)
+    read_bytes: int  # what a token reads of a whole layer, with the KV cache
 
 
 def tensor_shape(model: ModelSpec) -> TensorShape | None:
     """None when the model does not say its shape; ScenarioError when the shape is not one
     tensor parallelism can split (heads that do not divide the hidden size, query heads that
-    are not a multiple of the KV heads)."""
+    are not a multiple of the KV heads).
+
+    The attention's weights are model.attention_bytes when given, else counted from the shape
+    (q, o: 2 h^2; k, v: 2 h K h/H; MLP: 3 h I). A token reads all of the attention and the KV
+    cache, and model.read_layer_bytes - attention of the MLP (an MoE's active experts), cut
+    in the same column proportions as the memory."""
     if not model.has_shape:
         return None
     h, H, K, I = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.intermediate_size
@@ -83,14 +96,25 @@ def tensor_shape(model: ModelSpec) -> TensorShape | None:
         raise ScenarioError(f"model.hidden_size {h} is not a multiple of model.num_attention_heads {H}")
     if H % K:
         raise ScenarioError(f"model.num_attention_heads {H} is not a multiple of model.num_key_value_heads {K}")
-    head_dim = h // H
-    qo, kv, mlp = 2 * h * h, 2 * h * K * head_dim, 3 * h * I
-    total = qo + kv + mlp
-    attn_w = model.layer_bytes * (qo + kv) / total
-    mlp_w = model.layer_bytes * mlp / total
+    if model.attention_bytes:
+        attn_w = float(model.attention_bytes)
+        mlp_w = float(model.layer_bytes - model.attention_bytes)
+    else:
+        head_dim = h // H
+        qo, kv, mlp = 2 * h * h, 2 * h * K * head_dim, 3 * h * I
+        total = qo + kv + mlp
+        attn_w = model.layer_bytes * (qo + kv) / total
+        mlp_w = model.layer_bytes * mlp / total
     cache = model.kv_bytes_per_token_per_layer * model.context_tokens
     block = COLUMN_BLOCK if I % COLUMN_BLOCK == 0 else 1
-    return TensorShape(K, H // K, I // block, block, (attn_w + cache) / K, mlp_w / (I // block), model.bytes_per_layer)
+    blocks = I // block
+    attn, mlp_mem = (attn_w + cache) / K, mlp_w / blocks
+    if not model.active_layer_bytes:  # dense: a token reads what the layer holds
+        return TensorShape(K, H // K, blocks, block, attn, mlp_mem, model.bytes_per_layer, attn, mlp_mem,
+                           model.bytes_per_layer)
+    mlp_read = max(0.0, model.active_layer_bytes - attn_w) / blocks
+    return TensorShape(K, H // K, blocks, block, attn, mlp_mem, model.bytes_per_layer, attn, mlp_read,
+                       model.active_layer_bytes + cache)
 
 
 def split(weights: Sequence[int], total: int, prefer: Sequence[int] | None = None) -> list[int]:
@@ -222,8 +246,9 @@ def group_cost(tctx: TensorContext, ranks: tuple[int, ...], by_memory: bool = Fa
 def split_cost(tctx: TensorContext, ranks: tuple[int, ...], kv: Sequence[int], cols: Sequence[int]) -> GroupCost:
     """The costs of a group with a given split: KV heads and MLP column blocks per rank."""
     sh = tctx.shape
-    attn = max(round(tctx.ms[r] * k * sh.attn_bytes_per_kv / sh.layer_bytes) for r, k in zip(ranks, kv))
-    mlp = max(round(tctx.ms[r] * b * sh.mlp_bytes_per_block / sh.layer_bytes) for r, b in zip(ranks, cols))
+    # A rank's time is layer_ms x its share of the bytes a token reads (dense: of the layer).
+    attn = max(round(tctx.ms[r] * k * sh.attn_read_per_kv / sh.read_bytes) for r, k in zip(ranks, kv))
+    mlp = max(round(tctx.ms[r] * b * sh.mlp_read_per_block / sh.read_bytes) for r, b in zip(ranks, cols))
     act = allreduce_ticks(tctx, ranks, tctx.activation_bytes)
     need = [math.ceil(k * sh.attn_bytes_per_kv + b * sh.mlp_bytes_per_block) for k, b in zip(kv, cols)]
     L = tctx.layers

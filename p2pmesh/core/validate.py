@@ -186,6 +186,8 @@ def model_problem(m: ModelInfo) -> str | None:
     if m.kv_bits and m.batch != 1:
         # mlx-lm's batched cache (BatchKVCache) has no quantized form: one request at a time.
         return "a quantized KV cache (kv_bits) serves one request at a time: its batch must be 1"
+    if not 0 <= m.active_layer_bytes <= m.layer_bytes or not 0 <= m.attention_bytes <= (m.active_layer_bytes or m.layer_bytes):
+        return "a model's active layer bytes are at most its layer bytes, and its attention bytes at most those"
     return shape_problem(m)
 
 

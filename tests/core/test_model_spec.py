@@ -68,3 +68,29 @@ def test_safetensors_header() -> None:
                 (10**9).to_bytes(8, "little")]:
         with pytest.raises(ModelSpecError):
             parse_safetensors_header(bad)
+
+
+def test_moe_and_mla_sizes() -> None:
+    """A mixture of experts: a token reads the rest of a layer and top_k / experts of its routed
+    experts (not the shared ones); MLA caches its latent; a sliding window caps a layer's cache
+    at a given context (issue 17)."""
+    config = {"model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+              "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+              "n_routed_experts": 8, "num_experts_per_tok": 2, "torch_dtype": "bfloat16"}
+    experts = {f"model.layers.1.mlp.experts.{e}.up_proj.weight": 1000 for e in range(8)}
+    tensors = {"model.embed_tokens.weight": 500, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": 300,
+               "model.layers.0.mlp.up_proj.weight": 700, "model.layers.1.self_attn.kv_a_proj_with_mqa.weight": 300,
+               "model.layers.1.mlp.shared_experts.up_proj.weight": 200, **experts}
+    spec = model_spec(config, tensors)
+    assert spec.layer_bytes == 300 + 200 + 8000
+    assert spec.active_layer_bytes == -(-(1000 + 300 + 200 + 2000) // 2)
+    assert spec.kv_bytes_per_token_per_layer == (32 + 16) * 2
+    assert spec.attention_bytes == 300
+    assert model_spec(CONFIG, TENSORS).active_layer_bytes == 0  # dense
+    assert model_spec(CONFIG, TENSORS).attention_bytes == 8192 + 4096 + 4096 + 8192
+    sliding = {**CONFIG, "layer_types": ["sliding_attention", "full_attention", "full_attention"], "sliding_window": 8}
+    full = 2 * 2 * 16 * 2
+    assert model_spec(sliding, TENSORS).kv_bytes_per_token_per_layer == full
+    assert model_spec(sliding, TENSORS, context_tokens=64).kv_bytes_per_token_per_layer == -(-(full * (8 + 64 + 64)) // (3 * 64))
+    with pytest.raises(ModelSpecError, match="num_experts_per_tok"):
+        model_spec({**config, "num_experts_per_tok": None}, tensors)
