@@ -34,6 +34,12 @@ class ModelError(MeshError):
     """The model named by the user cannot be found or read (the user's to fix)."""
 
 
+class KvBitsUnsupported(ModelError):
+    """`kv_bits` asked for a model whose cache mlx-lm cannot quantize (MLA's latent, attention
+    with sinks): the workers would keep it at full precision, and the planner would count
+    memory the Macs do not save."""
+
+
 class ModelUnloadable(ModelError):
     """The measuring worker refused the model itself (a family it does not run, a broken
     checkpoint: its exit status 2), so trying again here would fail the same way."""
@@ -64,11 +70,16 @@ def read_config(path: Path) -> dict[str, Any]:
 def describe(name: str, path: Path, context_tokens: int, batch: int = 1, parallelism: str = "auto",
              kv_bits: int = 0) -> ModelInfo:
     """What the planner needs to know about a model (core/model_spec.py does the sums)."""
+    from p2pmesh.core.config_shape import kv_quantizable
     from p2pmesh.core.model_spec import ModelSpecError, model_spec
 
     try:
+        config = read_config(path)
+        if kv_bits and not kv_quantizable(config, str(config.get("model_type", ""))):
+            raise KvBitsUnsupported(f"{name}: its KV cache ({config.get('model_type')}: MLA latent or attention sinks) "
+                                    "cannot be quantized by mlx-lm; load it without kv_bits")
         # The KV cache at this context: a sliding layer holds its window only (core/config_shape.py).
-        n = model_spec(read_config(path), model_files.tensor_bytes(name, path), context_tokens=context_tokens)
+        n = model_spec(config, model_files.tensor_bytes(name, path), context_tokens=context_tokens)
     except ModelSpecError as exc:
         raise ModelError(f"{name}: {exc}") from None
     except model_files.ModelFilesError as exc:

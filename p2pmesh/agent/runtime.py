@@ -467,6 +467,8 @@ class Agent:
         try:
             path = await trio.to_thread.run_sync(models.resolve, local)
             info = await trio.to_thread.run_sync(models.describe, name, path, context, batch, parallelism, kv_bits)
+        except models.KvBitsUnsupported as exc:
+            return error_answer(ErrorCode.BAD_REQUEST, str(exc), param="kv_bits", reason="kv_not_quantizable")
         except models.ModelError as exc:
             return error_answer(ErrorCode.MODEL_INVALID, str(exc))
         problem = validate.model_problem(info)

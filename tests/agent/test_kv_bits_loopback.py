@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import socket
 from dataclasses import replace
 from pathlib import Path
@@ -84,6 +85,14 @@ def test_load_kv_bits_4_is_planned_quantized_reaches_the_worker_and_shows_in_sta
         with p2pmesh.connect(agent.state_dir) as c, pytest.raises(p2pmesh.BadRequest) as caught:
             c.set_model(model, context_tokens=CONTEXT, kv_bits=5)
         assert caught.value.error_code == "bad_request" and "kv_bits" in str(caught.value)
+        # A family whose cache mlx-lm cannot quantize (attention sinks, MLA's latent): refused,
+        # not served at full precision under a plan that counted a quarter.
+        sinks = tmp_path / "sinks"
+        shutil.copytree(model, sinks)
+        config = json.loads((sinks / "config.json").read_text())
+        (sinks / "config.json").write_text(json.dumps({**config, "model_type": "gpt_oss"}))
+        refused = _ask(agent, {"op": "model", "name": str(sinks), "context_tokens": CONTEXT, "kv_bits": 4})
+        assert (refused["code"], refused["param"], refused["reason"]) == ("bad_request", "kv_bits", "kv_not_quantizable"), refused
         r = cli("load", str(model), "--kv-bits", "4", "--batch", "2", "--context-tokens", str(CONTEXT), *target)
         assert r.returncode == 2 and "one request at a time" in r.stderr, r.stderr
 
