@@ -34,9 +34,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from p2pmesh.core.placement_cost import Share
-from p2pmesh.worker.model import SUPPORTED_FAMILIES, ModelError, Shard, load_shard
+from p2pmesh.worker.model import ModelError, Shard, load_shard
 
-TENSOR_FAMILIES = SUPPORTED_FAMILIES | frozenset({"qwen3_moe"})
+TENSOR_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
 """model_types whose layers this module can shard (llama and its remaps, qwen2, qwen3 and
 the qwen3 mixture of experts); all of them also have mlx-lm's shard()."""
 
