@@ -193,9 +193,11 @@ def load_shard(path: str | Path, start: int, end: int, *, families: frozenset[st
     # The family's own make_cache() and sanitize() see the whole (lazy) model: they may walk
     # every layer or drop a head the checkpoint does not have.
     templates = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in range(num_layers)]
+    # Renumbered before sanitize: a family's sanitize may test for layer 0's tensors to
+    # decide whether to stack experts (mixtral), and it must see the stage's first layer there.
+    weights = {_renumber(k, start): v for k, v in weights.items()}
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
-    weights = {_renumber(k, start): v for k, v in weights.items()}
 
     # Drop everything this stage does not run before anything is evaluated: the dropped
     # modules' (lazy, random-initialised) parameters are never computed nor allocated. The
