@@ -32,6 +32,8 @@ from p2pmesh.core.model_spec import LAYER_RE, stage_tensors
 from p2pmesh.worker.checkpoint import CheckpointError, locate, read_config, read_tensors
 from p2pmesh.worker.stage_view import NotSplittable, StageView
 
+HEAD_NAMES = ("lm_head", "output")
+"""What families call the untied head of their outer model (internlm2: output)."""
 MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower", "speech_config")
 """config.json keys of checkpoints with an encoder tower besides the language model."""
 
@@ -184,9 +186,11 @@ def load_shard(path: str | Path, start: int, end: int, *, families: frozenset[st
     first, last = start == 0, end == num_layers
 
     located = locate(path)
-    # A model class without an lm_head ties the head to the embeddings; one with it (gemma3,
-    # deepseek_v3, gpt_oss) is tied when the checkpoint has no lm_head (sanitize then drops it).
-    tied = "lm_head" not in model or "lm_head.weight" not in located
+    # A model class without a head module ties the head to the embeddings; one with it
+    # (gemma3, deepseek_v3, gpt_oss) is tied when the checkpoint has no head (sanitize then
+    # drops it).
+    head = next((n for n in HEAD_NAMES if n in model), None)
+    tied = head is None or f"{head}.weight" not in located
     names = stage_tensors(located, start, end, num_layers, tied)
     weights = read_tensors(located, names)
     loaded_bytes = sum(located[n].entry.nbytes for n in names)
@@ -209,8 +213,8 @@ def load_shard(path: str | Path, start: int, end: int, *, families: frozenset[st
     if not last:
         if view.norm_name is not None:
             del inner[view.norm_name]
-        if "lm_head" in model:
-            del model.lm_head
+        if head is not None:
+            model.pop(head, None)  # sanitize may have dropped it already (gemma3, tied)
     if not (first and last):
         try:
             view.check_splittable(int(model.args.hidden_size))

@@ -32,7 +32,7 @@ SPLITS = {2: [(0, 3), (3, LAYERS)], 3: [(0, 1), (1, 4), (4, LAYERS)]}
 PROMPT = "Once upon a time there was a small model that learned to speak"
 DECODE = 5
 ATOL, RTOL = 2e-4, 2e-4
-UNTIED = {"qwen2", "mixtral", "phi3"}
+UNTIED = {"qwen2", "mixtral", "phi3", "internlm2"}
 """Families built with their own lm_head (deepseek_v3, glm4_moe and gpt_oss always have one)."""
 QUANTIZED = {"qwen3_moe-4bit": "qwen3_moe", "mixtral-4bit": "mixtral"}
 """4-bit variants, quantized by mlx_lm.convert from the float model of the family."""
