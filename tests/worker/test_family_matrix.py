@@ -143,3 +143,41 @@ def test_unsplittable_models_are_refused_with_the_reason(built: dict[str, Any], 
         load_shard(source, 3, LAYERS)
     # The whole model in one stage needs no bypass: it still loads.
     assert load_shard(source, 0, LAYERS).last
+
+
+@pytest.mark.parametrize("variant", ["gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next", "qwen3_moe"])
+def test_two_requests_batched_over_stages_decode_as_alone(built: dict[str, Any], variant: str) -> None:
+    """The serving path of --batch (worker/pipeline.Stage): two prompts of different lengths
+    prefill alone, then decode as one batch whose caches are merged (left padding, rotating
+    windows, SSM state, MLA latents), and each gets the greedy tokens it gets alone in mlx-lm."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from p2pmesh.worker.pipeline import FLAG_FIRST, Stage, WireRow
+
+    path = model_dir(built, variant)
+    model, tokenizer = load(str(path))
+    prompts = [tokenizer.encode(PROMPT), tokenizer.encode("Pack my box")]
+    expected = []
+    for ids in prompts:
+        cache = make_prompt_cache(model)
+        out = model(mx.array([ids]), cache=cache)
+        tokens = [int(mx.argmax(out[0, -1]))]
+        for _ in range(DECODE):
+            tokens.append(int(mx.argmax(model(mx.array([[tokens[-1]]]), cache=cache)[0, -1])))
+        expected.append(tokens)
+    stages = [Stage(load_shard(path, start, end)) for start, end in SPLITS[2]]
+    got = []
+    for no, ids in enumerate(prompts):
+        x = mx.array([ids])
+        for stage in stages:
+            x = stage.prefill(WireRow(no, 0, FLAG_FIRST), x)
+        got.append([int(mx.argmax(x[0, -1]))])
+    for step in range(DECODE):
+        rows = [WireRow(no, len(ids) + step) for no, ids in enumerate(prompts)]
+        x = mx.array([[tokens[-1]] for tokens in got])
+        for stage in stages:
+            x = stage.decode(0, rows, x)
+        for no in range(len(prompts)):
+            got[no].append(int(mx.argmax(x[no, -1])))
+    assert got == expected
