@@ -190,59 +190,59 @@ class StageView:
     @contextmanager
     def installed(self, layers: Sequence[Any], *, last_only: bool) -> Iterator[None]:
         """The substitutions of the module comment, for one call; `layers` the stage's own."""
-        inner = self.inner
-        saved: list[tuple[Any, str, Any]] = []
-
-        def put_item(key: str, value: Any) -> None:
-            saved.append((inner, key, inner.get(key, _ABSENT)))
-            inner[key] = value
-
         full = list(self._skips)
         full[self.start:self.end] = layers
-        put_item("layers", full)
+        norm = "identity" if not self.last else "last_position" if last_only else None
+        with self._substituted(full, entry=not self.first, norm=norm):
+            yield
+
+    @contextmanager
+    def _substituted(self, full: list[Any], *, entry: bool, norm: str | None) -> Iterator[None]:
+        inner = self.inner
+        saved: list[tuple[str, Any]] = []
+
+        def put(key: str, value: Any) -> None:
+            saved.append((key, inner.get(key, _ABSENT)))
+            inner[key] = value  # a Module is a dict: attribute reads find the item
+
+        put("layers", full)
         overrides: list[tuple[Any, str, Any]] = []
-        if not self.first:
+        if entry:
             if self.embed_name is None:
                 raise NotSplittable("its inner model has no token embedding named " + "/".join(EMBED_NAMES))
-            put_item(self.embed_name, _Entry(inner.get(self.embed_name)))
+            put(self.embed_name, _Entry(inner.get(self.embed_name)))
             if self._scale_off is not None:
                 overrides = self._scale_off(inner)
-        if self.norm_name is not None and not self.last:
-            put_item(self.norm_name, _Identity())
-        elif self.norm_name is not None and last_only:
-            put_item(self.norm_name, _LastPosition(inner[self.norm_name]))
-        attrs = [(obj, name, getattr(obj, name)) for obj, name, _ in overrides]
+        if norm is not None and self.norm_name is not None:
+            put(self.norm_name, _Identity() if norm == "identity" else _LastPosition(inner[self.norm_name]))
+        previous = [(obj, name, getattr(obj, name)) for obj, name, _ in overrides]
         try:
             for obj, name, value in overrides:
                 setattr(obj, name, value)
             yield
         finally:
-            for obj, name, value in attrs:
+            for obj, name, value in previous:
                 setattr(obj, name, value)
-            for obj, key, value in reversed(saved):
+            for key, value in reversed(saved):
                 if value is _ABSENT:
-                    obj.pop(key, None)
+                    inner.pop(key, None)
                 else:
-                    obj[key] = value
+                    inner[key] = value
 
     def check_splittable(self, hidden_size: int) -> None:
         """Raise NotSplittable unless the family's inner call, with every layer skipped, the
         embedding a pass-through (its scale off) and the norm an identity, returns its input
         unchanged: then a stage's output is exactly its layers' output."""
-        probe = (mx.arange(2 * hidden_size, dtype=mx.float32).reshape(1, 2, hidden_size) + 1) / (2 * hidden_size)
-        skipped = StageView.__new__(StageView)
-        skipped.__dict__.update(self.__dict__)
-        skipped.first, skipped.last = False, False
-        skipped.start = skipped.end = 0
         if self.norm_name is None:
             raise NotSplittable("its inner model has no final norm named " + "/".join(NORM_NAMES))
+        probe = (mx.arange(2 * hidden_size, dtype=mx.float32).reshape(1, 2, hidden_size) + 1) / (2 * hidden_size)
         try:
-            with skipped.installed([], last_only=False):
+            with self._substituted(list(self._skips), entry=True, norm="identity"):
                 out = self.inner(probe, cache=[copy.deepcopy(t) for t in self._templates])
             same = isinstance(out, mx.array) and out.shape == probe.shape and bool(mx.array_equal(out, probe))
         except NotSplittable:
             raise
-        except Exception as e:  # the family's own code failed on hidden states: it cannot be split here
+        except Exception as e:  # noqa: BLE001 - the family's own code failed on hidden states: it cannot be split here
             raise NotSplittable(f"its inner model's call does not take hidden states in place of token ids "
                                 f"({type(e).__name__}: {e})") from None
         if not same:

@@ -173,7 +173,8 @@ def _shard_moe(block: nn.Module, config: dict[str, Any], col_sizes: Sequence[int
         if name in block:
             shared = block[name]
             if not all(a in shared for a in ("gate_proj", "up_proj", "down_proj")) or "bias" in shared.down_proj:
-                raise TensorShardError("unsupported_layer", f"shared expert {type(shared).__name__} has no bias-free gate/up/down projections")
+                raise TensorShardError("unsupported_layer",
+                                       f"shared expert {type(shared).__name__} has no bias-free gate/up/down projections")
             s0, s1 = scaled_bounds(col_sizes, rank, shared.gate_proj.weight.shape[0])
             _keep_rows(shared.gate_proj, s0, s1)
             _keep_rows(shared.up_proj, s0, s1)
