@@ -181,3 +181,22 @@ def test_two_requests_batched_over_stages_decode_as_alone(built: dict[str, Any],
         for no in range(len(prompts)):
             got[no].append(int(mx.argmax(x[no, -1])))
     assert got == expected
+
+
+@pytest.mark.parametrize("variant", ["gemma3_text", "granite", "cohere2"])
+def test_bfloat16_stages_are_bit_exact(tmp_path: Path, variant: str) -> None:
+    """In bfloat16 (as real checkpoints compute) the chained stages run exactly mlx-lm's
+    operations: the embedding scale is switched off, not divided back out, so the logits are
+    identical, not merely close. (MoE families need float32 here: MLX's CPU gather_mm.)"""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = make_tiny_model(tmp_path / variant, variant, LAYERS, HIDDEN, dtype="bfloat16")
+    model, tokenizer = load(str(path))
+    ids = mx.array([tokenizer.encode(PROMPT)])
+    ref = model(ids, cache=make_prompt_cache(model))
+    x = ids
+    for start, end in SPLITS[3]:
+        shard = load_shard(path, start, end)
+        x = shard.forward(x, shard.make_cache())
+    assert x.dtype == mx.bfloat16 and bool(mx.array_equal(x, ref))
