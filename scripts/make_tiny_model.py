@@ -2,7 +2,7 @@
 """A small random-weight model in the Hugging Face layout, made offline (the command line of
 tests/fixtures/tiny_model.py, which says what it writes).
 
-    .venv/bin/python scripts/make_tiny_model.py --family llama --layers 8 --hidden 64 [--heads 4]
+    .venv/bin/python scripts/make_tiny_model.py --family llama|qwen3_moe|deepseek_v3|... --layers 8 --hidden 64 [--heads 4]
         [--kv-heads 2] [--intermediate 128] [--vocab 512] [--seed 0] [--shards 2] [--untied]
         [--dtype float32] OUT_DIR
 """

@@ -130,15 +130,22 @@ def stage_tensors(names: Iterable[str], start: int, end: int, num_layers: int, t
     needed: set[str] = set()
     for name in names:
         i = layer_index(name)
+        parts = name.split(".")
         if i is not None:
             if start <= i < end:
                 needed.add(name)
-        elif is_embedding(name):
+        elif is_embedding(name) or not STAGE_EMBED_NAMES.isdisjoint(parts):
             if first or (last and tied):
                 needed.add(name)
-        elif last and not (tied and is_head(name)):  # the final norm; lm_head unless tied
+        elif last and not (tied and parts[0] in STAGE_HEAD_NAMES):  # the final norm; the head unless tied
             needed.add(name)
     return needed
+
+
+STAGE_EMBED_NAMES = frozenset({"embed_tokens", "tok_embeddings", "word_embeddings", "wte"})
+"""What mlx-lm families call the token embeddings (internlm2: tok_embeddings, bailing: word_embeddings)."""
+STAGE_HEAD_NAMES = frozenset({"lm_head", "output"})
+"""What mlx-lm families call an untied head (internlm2: output)."""
 
 
 def parse_safetensors_header(prefix: bytes) -> tuple[int, list[TensorEntry]]:

@@ -76,15 +76,22 @@ def layer_decode_ms(path: Path, layers: int, context: int = CONTEXT) -> float:
     shard = load_shard(path, index, index + 1)
     layer = shard.model.model.layers[0]
     dtype = next(v.dtype for _, v in tree_flatten(layer.parameters()) if mx.issubdtype(v.dtype, mx.floating))
-    cache = shard.make_cache()[0]
-    key = mx.random.key(0)
-    mx.eval(layer(mx.random.normal((1, context, shard.hidden_size), key=key).astype(dtype), "causal", cache), cache.state)
+    cache = shard.make_cache()
+
+    def step_input(length: int, seed: int) -> mx.array:
+        # Through Shard.forward, so the layer gets its family's own mask (MLA layers take no
+        # "causal" string); a first stage (models of 1 or 2 layers) takes token ids.
+        if shard.first:
+            return mx.random.randint(0, shard.vocab_size, (1, length), key=mx.random.key(seed))
+        return mx.random.normal((1, length, shard.hidden_size), key=mx.random.key(seed)).astype(dtype)
+
+    mx.eval(shard.forward(step_input(context, 0), cache, last_only=True), [c.state for c in cache])
     times = []
     for i in range(WARMUP + STEPS):
-        h = mx.random.normal((1, 1, shard.hidden_size), key=mx.random.key(i + 1)).astype(dtype)
+        h = step_input(1, i + 1)
         mx.eval(h)
         t0 = time.perf_counter()
-        mx.eval(layer(h, None, cache))
+        mx.eval(shard.forward(h, cache, last_only=True))
         if i >= WARMUP:
             times.append((time.perf_counter() - t0) * 1000)
     return statistics.median(times)

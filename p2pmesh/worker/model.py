@@ -9,9 +9,12 @@ the first stage (and on the last when the head is tied), the final norm and lm_h
 last. `Shard.forward` runs the range with the attention mask built the way mlx-lm's own
 models build it, so chaining shards gives the full model's logits.
 
-mlx-lm's own pipeline() exists only for some families (not llama, not dense qwen3) and
-splits from the last rank backwards; this module works for every family whose inner model
-is embed_tokens / layers / norm (llama and its remaps, qwen2, qwen3).
+There is no allowlist of families: any decoder-only mlx-lm family whose inner model lists
+its decoder layers (`model.model.layers`) runs through worker/stage_view.py, which drives
+the family's own code (embedding and its scale, masks by global layer index, caches from
+its own make_cache(), final norm, head) on the stage's layers only. A model that cannot be
+split (multimodal towers, no layer list, an inner call that is more than embedding, layers,
+norm) is refused with UnsupportedModel naming its model_type and the reason.
 """
 from __future__ import annotations
 
@@ -21,17 +24,18 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import MODEL_REMAPPING, _get_classes, infer_quant_config
 
 from p2pmesh.drivers import model_files
 from p2pmesh.core.model_spec import LAYER_RE, stage_tensors
 from p2pmesh.worker.checkpoint import CheckpointError, locate, read_config, read_tensors
+from p2pmesh.worker.stage_view import NotSplittable, StageView
 
-SUPPORTED_FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
-"""model_type values (after mlx-lm's remapping, so "mistral" counts as llama) whose
-layer-range pipeline is tested here."""
+HEAD_NAMES = ("lm_head", "output")
+"""What families call the untied head of their outer model (internlm2: output)."""
+MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower", "speech_config")
+"""config.json keys of checkpoints with an encoder tower besides the language model."""
 
 
 class ModelError(Exception):
@@ -97,7 +101,7 @@ class Shard:
     needs them. `loaded` names the checkpoint tensors that were read (and nothing else was)."""
 
     def __init__(self, model: nn.Module, config: dict[str, Any], start: int, end: int, num_layers: int,
-                 tied: bool, loaded: frozenset[str], loaded_bytes: int) -> None:
+                 tied: bool, loaded: frozenset[str], loaded_bytes: int, view: StageView) -> None:
         self.model = model
         self.config = config
         self.start, self.end, self.num_layers = start, end, num_layers
@@ -105,10 +109,10 @@ class Shard:
         self.loaded = loaded
         self.loaded_bytes = loaded_bytes
         self._inner = model.model
-        self._layers: list[nn.Module] = list(self._inner.layers)
-        self._window: int | None = getattr(self._inner, "sliding_window", None)
-        self.hidden_size = int(model.args.hidden_size)
-        self.vocab_size = int(model.args.vocab_size)
+        self._view = view
+        args = model.args
+        self.hidden_size = int(args.hidden_size)
+        self.vocab_size = int(args.vocab_size)
 
     @property
     def first(self) -> bool:
@@ -123,72 +127,99 @@ class Shard:
         return self.end - self.start
 
     def make_cache(self) -> list[Any]:
-        """One KV cache per local layer (a rotating one for sliding-window layers)."""
-        return [
-            RotatingKVCache(max_size=self._window) if getattr(layer, "use_sliding", False) else KVCache()
-            for layer in self._layers
-        ]
+        """One cache per local layer, of the kind the family's own make_cache() gives that
+        (global) layer: rotating for sliding-window layers, MLA latents, SSM state ..."""
+        return self._view.make_cache()
 
     def forward(self, x: mx.array, cache: Sequence[Any] | None = None, *, last_only: bool = False) -> mx.array:
         """Token ids [B, L] (first stage) or hidden states [B, L, hidden] in; hidden states
         out, or logits [B, L, vocab] on the last stage ([B, 1, vocab] with last_only: a
-        prefill chunk needs only its last position's logits)."""
-        h = self._inner.embed_tokens(x) if self.first else x
-        caches: Sequence[Any] = cache if cache is not None else [None] * len(self._layers)
-        # Masks as mlx-lm's models make them: from the first layer's cache (its offset is
-        # every local layer's offset), "causal" / an array for a prefill chunk after
-        # earlier chunks, None for a single decode token.
-        full_mask = create_attention_mask(h, caches[0])
-        window_mask = None
-        for layer, c in zip(self._layers, caches):
-            if getattr(layer, "use_sliding", False) and window_mask is None:
-                window_mask = create_attention_mask(h, c, window_size=self._window)
-        for layer, c in zip(self._layers, caches):
-            h = layer(h, window_mask if getattr(layer, "use_sliding", False) else full_mask, c)
-        if not self.last:
-            return h
-        if last_only:
-            h = h[:, -1:, :]
-        h = self._inner.norm(h)
-        return self._inner.embed_tokens.as_linear(h) if self.tied else self.model.lm_head(h)
+        prefill chunk needs only its last position's logits). The family's own code runs
+        (stage_view.py): the outer model with its head on the last stage, the inner one
+        elsewhere."""
+        full = self._view.full_cache(cache)
+        last_only = last_only and self.last
+        with self._view.installed(list(self._inner.layers), last_only=last_only):
+            out = self.model(x, cache=full) if self.last else self._inner(x, cache=full)
+        if last_only and out.shape[1] != 1:  # a family without a known final norm
+            out = out[:, -1:, :]
+        return out
 
 
-def load_shard(path: str | Path, start: int, end: int, *, families: frozenset[str] = SUPPORTED_FAMILIES) -> Shard:
+def _check_family(config: dict[str, Any], model: nn.Module) -> nn.Module:
+    """The inner model whose `layers` list the stages cut, or UnsupportedModel saying why not."""
+    model_type = config.get("model_type")
+    tower = next((k for k in MULTIMODAL_KEYS if k in config), None)
+    if tower is not None:
+        raise UnsupportedModel(f"model_type {model_type!r} cannot be split into pipeline stages: it is multimodal "
+                               f"({tower}); only the decoder-only language models of mlx-lm are")
+    inner = model.get("model") if isinstance(model, nn.Module) else None
+    if not isinstance(inner, nn.Module) or not isinstance(inner.get("layers"), list) or not inner["layers"]:
+        raise UnsupportedModel(f"model_type {model_type!r} cannot be split into pipeline stages: its mlx-lm model has "
+                               "no decoder layer list (model.layers), e.g. an encoder-decoder or a differently built model")
+    return inner
+
+
+def load_shard(path: str | Path, start: int, end: int, *, families: frozenset[str] | None = None) -> Shard:
     """Layers [start, end) of the model in `path` (a local directory: see resolve_model).
-    `families`: the model_types the caller runs (worker/tensor.py adds MoE families)."""
+    `families`: when given, the only model_types the caller runs (worker/tensor.py's)."""
     path = Path(path)
     config = read_config(path)
     fam = family(config)
-    if fam not in families:
-        raise UnsupportedModel(f"model_type {config['model_type']!r} is not supported (supported: {sorted(families)})")
+    if families is not None and fam not in families:
+        raise UnsupportedModel(f"model_type {config['model_type']!r} is not supported here (supported: {sorted(families)})")
     if "quantization_config" in config and "quantization" not in config:
         raise UnsupportedModel("this checkpoint is quantized in a non-MLX format (quantization_config); convert it with mlx_lm.convert")
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))  # lazy: no parameter is computed yet
-    inner = model.model
+    try:
+        model_class, args_class = _get_classes(config)
+    except ValueError as e:
+        raise UnsupportedModel(f"model_type {config['model_type']!r} is not an mlx-lm family: {e}") from None
+    try:
+        model = model_class(args_class.from_dict(config))  # lazy: no parameter is computed yet
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise UnsupportedModel(f"model_type {config['model_type']!r}: config.json does not fit mlx-lm's model class "
+                               f"({type(e).__name__}: {e})") from None
+    inner = _check_family(config, model)
     num_layers = len(inner.layers)
     if not 0 <= start < end <= num_layers:
         raise BadStage(f"layers [{start}, {end}) are not a non-empty range of the model's {num_layers} layers")
-    tied = bool(getattr(model.args, "tie_word_embeddings", True))
     first, last = start == 0, end == num_layers
 
-    # Drop everything this stage does not run before anything is evaluated: the dropped
-    # modules' (lazy, random-initialised) parameters are never computed nor allocated.
-    inner.layers = inner.layers[start:end]
-    if not (first or (last and tied)):
-        del inner.embed_tokens
-    if not last:
-        del inner.norm
-        if "lm_head" in model:
-            del model.lm_head
-
     located = locate(path)
+    # A model class without a head module ties the head to the embeddings; one with it
+    # (gemma3, deepseek_v3, gpt_oss) is tied when the checkpoint has no head (sanitize then
+    # drops it).
+    head = next((n for n in HEAD_NAMES if n in model), None)
+    tied = head is None or f"{head}.weight" not in located
     names = stage_tensors(located, start, end, num_layers, tied)
     weights = read_tensors(located, names)
     loaded_bytes = sum(located[n].entry.nbytes for n in names)
+    # The family's own make_cache() and sanitize() see the whole (lazy) model: they may walk
+    # every layer or drop a head the checkpoint does not have.
+    templates = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in range(num_layers)]
+    # Renumbered before sanitize: a family's sanitize may test for layer 0's tensors to
+    # decide whether to stack experts (mixtral), and it must see the stage's first layer there.
+    weights = {_renumber(k, start): v for k, v in weights.items()}
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
-    weights = {_renumber(k, start): v for k, v in weights.items()}
+
+    # Drop everything this stage does not run before anything is evaluated: the dropped
+    # modules' (lazy, random-initialised) parameters are never computed nor allocated. The
+    # other stages' layer objects stay referenced (StageView reads their attributes), lazy.
+    view = StageView(model, inner, list(inner.layers), templates, start, end)
+    inner.layers = inner.layers[start:end]
+    if view.embed_name is not None and not (first or (last and tied)):
+        del inner[view.embed_name]
+    if not last:
+        if view.norm_name is not None:
+            del inner[view.norm_name]
+        if head is not None:
+            model.pop(head, None)  # sanitize may have dropped it already (gemma3, tied)
+    if not (first and last):
+        try:
+            view.check_splittable(int(model.args.hidden_size))
+        except NotSplittable as e:
+            raise UnsupportedModel(f"model_type {config['model_type']!r} cannot be split into pipeline stages: {e}") from None
 
     if (quantization := config.get("quantization")) is not None:
         def quantizable(p: str, m: nn.Module) -> bool | dict[str, Any]:
@@ -204,7 +235,7 @@ def load_shard(path: str | Path, start: int, end: int, *, families: frozenset[st
     except ValueError as e:
         raise CheckpointError(f"{path}: the checkpoint does not match layers [{start}, {end}) of a {fam} model: {e}") from None
     mx.eval(model.parameters())
-    return Shard(model, config, start, end, num_layers, tied, frozenset(names), loaded_bytes)
+    return Shard(model, config, start, end, num_layers, tied, frozenset(names), loaded_bytes, view)
 
 
 def _renumber(name: str, start: int) -> str:

@@ -34,11 +34,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from p2pmesh.core.placement_cost import Share
-from p2pmesh.worker.model import SUPPORTED_FAMILIES, ModelError, Shard, load_shard
+from p2pmesh.worker.model import ModelError, Shard, load_shard
 
-TENSOR_FAMILIES = SUPPORTED_FAMILIES | frozenset({"qwen3_moe"})
-"""model_types whose layers this module can shard (llama and its remaps, qwen2, qwen3 and
-the qwen3 mixture of experts); all of them also have mlx-lm's shard()."""
+TENSOR_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"})
+"""model_types whose layers this module can shard; all of them have mlx-lm's shard() (the
+even split). Uneven shares: llama and its remaps, qwen2, qwen3, qwen3_moe and glm4_moe (its
+shared expert cut like the routed ones); deepseek_v3's MLA attention and gpt_oss's
+attention block have no q/k/v/o to cut, so an uneven plan of theirs is refused with
+"unsupported_layer". mixtral has no shard() and attention without head counts: not here."""
 
 
 class TensorShardError(ModelError):
@@ -164,6 +167,18 @@ def _shard_moe(block: nn.Module, config: dict[str, Any], col_sizes: Sequence[int
         if "bias" in proj:
             proj.bias = mx.contiguous(proj.bias[:, c0:c1])
     glu.down_proj.weight = mx.contiguous(glu.down_proj.weight[:, :, c0:c1])
+    # A shared expert (glm4_moe, deepseek_v3) adds its output before the block's all-sum:
+    # its columns are cut in the same proportions, in place, or every rank would add it whole.
+    for name in ("shared_experts", "shared_expert"):
+        if name in block:
+            shared = block[name]
+            if not all(a in shared for a in ("gate_proj", "up_proj", "down_proj")) or "bias" in shared.down_proj:
+                raise TensorShardError("unsupported_layer",
+                                       f"shared expert {type(shared).__name__} has no bias-free gate/up/down projections")
+            s0, s1 = scaled_bounds(col_sizes, rank, shared.gate_proj.weight.shape[0])
+            _keep_rows(shared.gate_proj, s0, s1)
+            _keep_rows(shared.up_proj, s0, s1)
+            shared.down_proj.weight = mx.contiguous(shared.down_proj.weight[:, s0:s1])
     block.sharding_group = group
 
 

@@ -6,7 +6,7 @@ loopback, a tiny model made by scripts/make_tiny_model.py):
   needed and what would fix it; every agent's status shows the same reason; the client
   raises ModelDoesNotFit; a third agent started afterwards makes it fit, and the placement
   starts by itself;
-- a model of a family the workers do not run: `load` exits 2 with the member's own error,
+- a model the workers cannot split into stages (a multimodal config): `load` exits 2 with the member's own error,
   the client raises ModelCannotLoad; with its files fixed, loading it again serves it.
 """
 from __future__ import annotations
@@ -132,11 +132,11 @@ def test_a_model_too_big_is_refused_within_seconds_and_a_joining_mac_makes_it_se
 def test_a_model_no_mac_can_load_is_refused_with_its_error_and_served_once_fixed(tmp_path: Path, tiny_model: Path) -> None:
     import shutil
 
-    model = tmp_path / "phi-tiny"
+    model = tmp_path / "vlm-tiny"
     shutil.copytree(tiny_model, model)
     config_path = model / "config.json"
     good = config_path.read_text()
-    config_path.write_text(json.dumps({**json.loads(good), "model_type": "phi3"}))
+    config_path.write_text(json.dumps({**json.loads(good), "vision_config": {"hidden_size": 32}}))
     (a,) = _agents(tmp_path, 1, None)
     try:
         a.start()
@@ -144,10 +144,10 @@ def test_a_model_no_mac_can_load_is_refused_with_its_error_and_served_once_fixed
         r, elapsed = _load(a, model)
         assert r.returncode == 2, (r.returncode, r.stderr)
         assert elapsed < VERDICT_BOUND_S, f"load took {elapsed:.1f} s (--timeout {LOAD_TIMEOUT_S})"
-        assert "no Mac can load" in r.stderr and "model_type 'phi3' is not supported" in r.stderr, r.stderr
+        assert "no Mac can load" in r.stderr and "model_type 'llama' cannot be split" in r.stderr, r.stderr
         problem = _problem(a)
         assert problem is not None and problem["code"] == "model_cannot_load"
-        assert "phi3" in problem["refusals"][0]["error"]
+        assert "multimodal" in problem["refusals"][0]["error"]
         with p2pmesh.connect(a.state_dir) as c, pytest.raises(p2pmesh.ModelCannotLoad) as caught:
             c.generate("hello", max_tokens=4).collect()
         assert caught.value.code == "model_cannot_load"

@@ -1,7 +1,8 @@
 """Tensor-parallel groups on a real loopback MLX ring give one mlx-lm process's greedy tokens
 (issue 16): 2 and 3 ranks, even (mlx-lm's shard()) and uneven (worker/tensor.py's own
 sharding), a rank with no share at all, a pipeline of single ranks and a 2x2 hybrid (two
-tensor groups chained over a TCP hop), for llama, qwen3 and qwen3_moe.
+tensor groups chained over a TCP hop), for llama, qwen3 and qwen3_moe; even (and for
+glm4_moe uneven) groups of glm4_moe, deepseek_v3 and gpt_oss.
 
 The models are tiny float32 ones with 12 heads over 6 KV heads and 192 MLP columns, so 3
 ranks can split them 2/2/2 or 3/2/1; their logits are well spread (tests/fixtures), so a
@@ -88,6 +89,33 @@ def test_group_gives_mlx_lm_tokens(plan: str, family_model: tuple[str, Path, lis
     _, model, prompt, ref = family_model
     groups, hows = PLANS[plan]
     assert_same_tokens(run_plan(model, groups, prompt, MAX_TOKENS, tmp_path), ref, hows)
+
+
+MOE_PLANS = {
+    # family: (plans that give mlx-lm's tokens, a plan refused with unsupported_layer or None)
+    "glm4_moe": (["tensor2", "uneven2"], None),
+    "deepseek_v3": (["tensor2"], "uneven2"),
+    "gpt_oss": (["tensor2"], None),
+}
+"""More mixtures of experts with mlx-lm's shard() (issue 17): glm4_moe's shared expert is cut
+with the routed ones; deepseek_v3's MLA attention has no q/k/v/o to cut unevenly."""
+MOE_GROUPS = {"tensor2": [GroupPlan(0, LAYERS, 2)], "uneven2": [GroupPlan(0, LAYERS, 2, UNEVEN2)]}
+
+
+@pytest.mark.parametrize("family", list(MOE_PLANS))
+def test_more_moe_families_give_mlx_lm_tokens(family: str, tmp_path: Path) -> None:
+    from tests.worker.tensor_cluster import TensorRunError
+
+    model = make_tiny_model(tmp_path / family, family, LAYERS, HIDDEN, heads=HEADS, kv_heads=KV_HEADS, intermediate=COLUMNS)
+    prompt, ref = reference(model)
+    assert len(set(ref)) > 1
+    good, refused = MOE_PLANS[family]
+    for plan in good:
+        how = "mlx-lm" if plan == "tensor2" else "own"
+        assert_same_tokens(run_plan(model, MOE_GROUPS[plan], prompt, MAX_TOKENS, tmp_path), ref, [how])
+    if refused is not None:
+        with pytest.raises(TensorRunError, match="unsupported_layer"):
+            run_plan(model, MOE_GROUPS[refused], prompt, MAX_TOKENS, tmp_path)
 
 
 def test_rank_with_no_share_and_a_pipeline_of_single_ranks(tmp_path: Path) -> None:
