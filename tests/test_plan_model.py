@@ -19,8 +19,11 @@ CONFIGS = ROOT / "tests" / "fixtures" / "hf_configs"
 RUN_TIMEOUT_S = 60
 KEYS = {"model_type", "layers", "layer_bytes", "total_bytes", "active_bytes_per_token", "kv_bytes_per_token_per_layer",
         "experts", "experts_per_token"}
-SCENARIO_KEYS = {"context_tokens", "activation_bytes", "embed_bytes", "hidden_size", "num_attention_heads",
-                 "num_key_value_heads", "intermediate_size", "active_layer_bytes", "attention_bytes"}
+SCENARIO_KEYS = {"context_tokens", "activation_bytes", "embed_bytes", "active_layer_bytes", "attention_bytes"}
+SHAPE_KEYS = {"hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "even_split"}
+"""Only for the families the workers split over a tensor group (core/model_spec.TENSOR_SPLITS):
+Mixtral has no tensor path (no mlx-lm shard()), so it plans one Mac or a pipeline."""
+EVEN_ONLY = {"deepseek-v3", "gpt-oss-120b"}
 
 
 def _config(name: str) -> dict[str, Any]:
@@ -60,6 +63,8 @@ def test_json_block_has_the_contract_keys_and_bytes_follow_the_bits(name: str, t
         blocks[bits] = json.loads(proc.stdout)
     b16, b4 = blocks[16], blocks[4]
     assert KEYS | SCENARIO_KEYS <= set(b16)
+    assert (SHAPE_KEYS <= set(b16)) == (name != "mixtral-8x7b") and not SHAPE_KEYS & set(b16) - SHAPE_KEYS
+    assert b16.get("even_split", False) == (name in EVEN_ONLY)
     assert (b16["experts"], b16["experts_per_token"], b16["context_tokens"]) == (experts, top_k, 8192)
     # Memory holds every parameter: bf16 2 bytes each; 4-bit MLX 0.5 + a 2-byte scale and bias per 64.
     assert b16["total_bytes"] == pytest.approx(2 * total * 1e9, rel=0.10)

@@ -104,6 +104,7 @@ def describe(name: str, path: Path, context_tokens: int, batch: int = 1, paralle
         # A mixture of experts: what a token reads of a layer (the planner's tensor split).
         active_layer_bytes=n.active_layer_bytes,
         attention_bytes=min(n.attention_bytes, n.active_layer_bytes or n.layer_bytes),
+        even_split=n.even_split,
     )
 
 

@@ -124,6 +124,7 @@ def model_spec(info: ModelInfo, sequences: int = SEQUENCES) -> ModelSpec:
         intermediate_size=info.intermediate_size,
         active_layer_bytes=info.active_layer_bytes,
         attention_bytes=info.attention_bytes,
+        even_split=info.even_split,
     )
 
 

@@ -127,6 +127,9 @@ class ModelInfo:
     # groups split a measured layer_ms by them (core/tensor_cost.py). 0 = dense / unknown.
     active_layer_bytes: int = 0
     attention_bytes: int = 0
+    even_split: bool = False
+    """The workers split this family's layers over a tensor group only evenly
+    (core/model_spec.TENSOR_SPLITS): the planner then gives every rank the same share."""
 
 
 @register(9)

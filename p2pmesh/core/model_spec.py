@@ -83,6 +83,8 @@ class ModelSpec:
     attention_bytes: int = 0
     """The largest layer's attention tensors (ATTENTION_TENSOR_RE): what a tensor group splits
     by heads (placement_cost.ModelSpec.attention_bytes); 0 when the names do not say."""
+    even_split: bool = False
+    """The workers split this family's layers only evenly (TENSOR_SPLITS "even")."""
 
 
 ATTENTION_TENSOR_RE = re.compile(r"\.(?:self_attn|attention|attn)\.")
@@ -254,13 +256,38 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
         **tensor_shape(c),
         active_layer_bytes=active,
         attention_bytes=max(attention),
+        even_split=tensor_split(c) == "even",
     )
+
+
+TENSOR_SPLITS: dict[str, str] = {
+    "llama": "uneven", "qwen2": "uneven", "qwen3": "uneven", "qwen3_moe": "uneven", "glm4_moe": "uneven",
+    "deepseek_v3": "even", "gpt_oss": "even",
+}
+"""The families whose layers the workers split over a tensor group (worker/tensor.py, which
+imports this table), and how: "uneven" shares by speed (the workers' own sharding), or
+"even" only (mlx-lm's shard(): MLA attention and gpt-oss's attention have no per-head
+projections to cut unevenly). Another family plans one Mac or a pipeline only."""
+TENSOR_REMAPPING: dict[str, str] = {
+    "mistral": "llama", "iquestcoder": "llama", "xverse": "llama", "kimi_k2": "deepseek_v3", "joyai_llm_flash": "deepseek_v3",
+}
+"""model_type -> the mlx-lm module that runs it, for the families above (mlx-lm's own
+MODEL_REMAPPING, restricted to them: tests/worker/test_tensor.py checks the two agree)."""
+
+
+def tensor_split(c: Mapping[str, Any]) -> str | None:
+    """"uneven", "even", or None (no tensor plan) for a (text) config's model_type."""
+    model_type = str(c.get("model_type", ""))
+    return TENSOR_SPLITS.get(TENSOR_REMAPPING.get(model_type, model_type))
 
 
 def tensor_shape(c: Mapping[str, Any]) -> dict[str, int]:
     """num_attention_heads, num_key_value_heads and intermediate_size of a (text) config as
     the planner splits them, or {} when one is missing or they do not divide (hidden size by
-    heads, heads by KV heads: the planner's ScenarioError)."""
+    heads, heads by KV heads: the planner's ScenarioError), or when the workers do not split
+    this family (TENSOR_SPLITS)."""
+    if tensor_split(c) is None:
+        return {}
     try:
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         kv = int(c.get("num_key_value_heads") or heads)

@@ -240,6 +240,8 @@ def _given_split(tctx: TensorContext, ranks: tuple[int, ...], g: Group) -> list[
     if len(g.shares) != len(ranks):
         return []
     kv = [s.kv_heads for s in g.shares]
+    if sh.even and len({(s.kv_heads, s.columns) for s in g.shares}) > 1:
+        return []  # an uneven split of a model the workers split only evenly
     if (sum(kv) != sh.kv_heads or any(s.heads != s.kv_heads * sh.heads_per_kv or s.columns % sh.block for s in g.shares)
             or sum(s.columns for s in g.shares) != sh.blocks * sh.block or min(kv + [s.columns for s in g.shares]) < 0):
         return []
@@ -346,6 +348,14 @@ def _shape_fields(m: dict[str, object]) -> dict[str, int]:
     return out
 
 
+def _bool_field(m: dict[str, object], key: str, where: str) -> bool:
+    """An optional true/false field (false when absent)."""
+    value = m.get(key, False)
+    if not isinstance(value, bool):
+        raise ScenarioError(f"{where}.{key} must be true or false")
+    return value
+
+
 def _active_fields(m: dict[str, object]) -> dict[str, int]:
     """The optional bytes a token reads of a layer and a layer's attention (issue 17; `p2pmesh
     plan model` prints them): each at most what contains it."""
@@ -372,6 +382,7 @@ def parse_scenario(data: object) -> tuple[ModelSpec, list[NodeSpec], list[Link]]
         embed_bytes=_int_field(m, "embed_bytes", "model", 0, BYTES_MAX, default=0),
         **_shape_fields(m),
         **_active_fields(m),
+        even_split=_bool_field(m, "even_split", "model"),
     )
     raw_nodes = data.get("nodes")
     if not isinstance(raw_nodes, list) or not 1 <= len(raw_nodes) <= NODES_MAX:

@@ -80,6 +80,8 @@ class ModelSpec:
     # layer_ms from memory bandwidth use it (docs/placement.md).
     active_layer_bytes: int = 0
     attention_bytes: int = 0
+    even_split: bool = False
+    """Tensor groups may only split this model evenly (core/model_spec.TENSOR_SPLITS)."""
     """A layer's attention weights (split by heads in a tensor group); 0 = from the shape."""
 
     @property

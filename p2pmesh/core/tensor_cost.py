@@ -78,6 +78,7 @@ class TensorShape:
     attn_read_per_kv: float  # what a token reads of them: all of the attention and its cache ...
     mlp_read_per_block: float  # ... and the routed experts' share (dense: all of the MLP)
     read_bytes: int  # what a token reads of a whole layer, with the KV cache
+    even: bool = False  # every rank the same share (ModelSpec.even_split)
 
 
 def tensor_shape(model: ModelSpec) -> TensorShape | None:
@@ -111,10 +112,10 @@ def tensor_shape(model: ModelSpec) -> TensorShape | None:
     attn, mlp_mem = (attn_w + cache) / K, mlp_w / blocks
     if not model.active_layer_bytes:  # dense: a token reads what the layer holds
         return TensorShape(K, H // K, blocks, block, attn, mlp_mem, model.bytes_per_layer, attn, mlp_mem,
-                           model.bytes_per_layer)
+                           model.bytes_per_layer, model.even_split)
     mlp_read = max(0.0, model.active_layer_bytes - attn_w) / blocks
     return TensorShape(K, H // K, blocks, block, attn, mlp_mem, model.bytes_per_layer, attn, mlp_read,
-                       model.active_layer_bytes + cache)
+                       model.active_layer_bytes + cache, model.even_split)
 
 
 def split(weights: Sequence[int], total: int, prefer: Sequence[int] | None = None) -> list[int]:
@@ -225,8 +226,14 @@ def _weights_by_memory(free: Sequence[int]) -> list[int]:
 
 
 def group_cost(tctx: TensorContext, ranks: tuple[int, ...], by_memory: bool = False) -> GroupCost | None:
-    """The group's split and costs; None when a rank has no memory to offer (by_memory)."""
+    """The group's split and costs; None when a rank has no memory to offer (by_memory), or
+    when the model splits only evenly and its KV heads or column blocks do not divide."""
     sh = tctx.shape
+    n = len(ranks)
+    if sh.even:
+        if sh.kv_heads % n or sh.blocks % n or (by_memory and any(tctx.memory[r] <= 0 for r in ranks)):
+            return None
+        return split_cost(tctx, ranks, [sh.kv_heads // n] * n, [sh.blocks // n] * n)
     if by_memory:
         if any(tctx.memory[r] <= 0 for r in ranks):
             return None
@@ -279,8 +286,9 @@ def group_costs(tctx: TensorContext, ranks: tuple[int, ...]) -> list[GroupCost]:
     the most layers when that holds more (memory is tight). A group of one is a pipeline
     stage (placement_cost), not costed here."""
     fast = group_cost(tctx, ranks)
-    assert fast is not None
-    if fast.cap_mid >= tctx.layers:
+    if fast is None:  # an even-only model that this group's size does not divide
+        return []
+    if fast.cap_mid >= tctx.layers or tctx.shape.even:  # (an even split has no other candidate)
         return [fast]  # it holds every layer: memory cannot be the reason to split otherwise
     roomy = group_cost(tctx, ranks, by_memory=True)
     if roomy is None or roomy.cap_mid <= fast.cap_mid:

@@ -33,12 +33,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from p2pmesh.core.model_spec import TENSOR_SPLITS
 from p2pmesh.core.placement_cost import Share
 from p2pmesh.worker.model import ModelError, Shard, load_shard
 
-TENSOR_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"})
-"""model_types whose layers this module can shard; all of them have mlx-lm's shard() (the
-even split). Uneven shares: llama and its remaps, qwen2, qwen3, qwen3_moe and glm4_moe (its
+TENSOR_FAMILIES = frozenset(TENSOR_SPLITS)
+"""model_types whose layers this module can shard (core/model_spec.TENSOR_SPLITS, which the
+planner reads too); all of them have mlx-lm's shard() (the even split). Uneven shares: llama and its remaps, qwen2, qwen3, qwen3_moe and glm4_moe (its
 shared expert cut like the routed ones); deepseek_v3's MLA attention and gpt_oss's
 attention block have no q/k/v/o to cut, so an uneven plan of theirs is refused with
 "unsupported_layer". mixtral has no shard() and attention without head counts: not here."""

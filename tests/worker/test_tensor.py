@@ -154,3 +154,15 @@ def test_moe_columns_split_in_the_same_proportions_and_cover_every_column(sizes:
     assert blocks[0][0] == 0 and blocks[-1][1] == total
     assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
     assert all(hi - lo == 0 for (lo, hi), s in zip(blocks, sizes) if s == 0)
+
+
+def test_the_planners_family_table_is_the_workers() -> None:
+    """core/model_spec.TENSOR_SPLITS is what worker/tensor.py loads, and its remapping is
+    mlx-lm's for those families (the agent cannot import mlx-lm to ask)."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    from p2pmesh.core.model_spec import TENSOR_REMAPPING, TENSOR_SPLITS
+    from p2pmesh.worker.tensor import TENSOR_FAMILIES
+
+    assert TENSOR_FAMILIES == frozenset(TENSOR_SPLITS)
+    assert TENSOR_REMAPPING == {k: v for k, v in MODEL_REMAPPING.items() if v in TENSOR_SPLITS}
