@@ -41,6 +41,8 @@ POLL_S = (0.5, 5.0)
 """First and largest wait between two looks at the members for a file another Mac downloads."""
 SIZE_TIMEOUT_S = 120.0
 """The hub's answers about the sizes of the files to download (HEAD requests)."""
+METADATA_WAIT_S = 10.0
+"""How long a Mac looks for another that has the model's metadata before fetching it itself."""
 ROUNDS_MAX = 2000
 """Bounds the loop (each round copies, downloads or waits at least POLL_S[0])."""
 Needs = Sequence[tuple[NodeId, "tuple[int, int] | None"]]
@@ -71,9 +73,7 @@ async def fetch_from_hub(copier: PeerCopy, repo_id: str, name: str, layers: tupl
     (None: the measured layer), each file downloaded here only if the rule gives it to this
     Mac, else copied from the Mac that downloads it."""
     dest = models.copy_dir(copier.places.state_dir, name)
-    if not (dest / "config.json").is_file():
-        snapshot = await models.fetch_in_thread(lambda: model_files.fetch_metadata(repo_id), f"the metadata of {name}")
-        await trio.to_thread.run_sync(models.link_snapshot, snapshot, dest)
+    await _metadata(copier, repo_id, name, dest, layers)
     try:
         weights = await trio.to_thread.run_sync(models.weights_for, dest, layers)
     except (model_files.ModelFilesError, OSError, ValueError) as exc:
@@ -102,6 +102,30 @@ async def fetch_from_hub(copier: PeerCopy, repo_id: str, name: str, layers: tupl
         await trio.sleep(wait)
         wait = min(wait * 2, POLL_S[1])
     raise models.ModelError(f"gave up fetching layers {layers} of {name} after {ROUNDS_MAX} rounds")
+
+
+async def _metadata(copier: PeerCopy, repo_id: str, name: str, dest: Path, layers: tuple[int, int] | None) -> None:
+    """The model's metadata in ``dest``: from this Mac's cache (the Mac that described the
+    model fetched it), else from a Mac that has it (the describing Mac, once its view shows the
+    model committed: for up to METADATA_WAIT_S), else from the hub."""
+    if (dest / "config.json").is_file():
+        return
+    cached = await trio.to_thread.run_sync(model_files.cached_metadata, repo_id)
+    if cached is not None:
+        await trio.to_thread.run_sync(models.link_snapshot, cached, dest)
+        return
+    wait = POLL_S[0]
+    with trio.move_on_after(METADATA_WAIT_S):
+        while not (dest / "config.json").is_file():  # bounded by METADATA_WAIT_S
+            if await copier.copy_layers(name, layers) is not None:
+                return
+            if (dest / "config.json").is_file():
+                return
+            await trio.sleep(wait)
+            wait = min(wait * 2, POLL_S[1])
+    if not (dest / "config.json").is_file():
+        snapshot = await models.fetch_in_thread(lambda: model_files.fetch_metadata(repo_id), f"the metadata of {name}")
+        await trio.to_thread.run_sync(models.link_snapshot, snapshot, dest)
 
 
 async def _download(copier: PeerCopy, repo_id: str, name: str, dest: Path, files: list[str]) -> None:
@@ -135,3 +159,4 @@ async def _download(copier: PeerCopy, repo_id: str, name: str, dest: Path, files
                      sizes[f] / took / 1e6)
         finally:
             meter.end(key, ok)
+
