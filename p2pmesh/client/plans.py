@@ -14,7 +14,7 @@ from typing import Any
 from p2pmesh.client.chat import chat_prompt, check_messages
 from p2pmesh.client.events import diff
 from p2pmesh.client.steps import REQUEST_TIMEOUT_S, Blocking, Clock, Emit, Plan, Sleep, ask, ask_answer, events
-from p2pmesh.client.values import LoadedModel, LoadProgress, ModelInfo, Placement, Status, formed, newest_epoch
+from p2pmesh.client.values import LoadedModel, LoadProgress, ModelInfo, Placement, Status, Transfer, formed, newest_epoch
 from p2pmesh.client.values import parse_model, parse_status
 from p2pmesh.core import protocol
 from p2pmesh.core.protocol import AgentError, BadRequest, ModelNotLoaded, NoQuorum, refused
@@ -110,21 +110,35 @@ def model_set(name: str, context_tokens: int, deadline: float, batch: int | None
         yield Sleep(POLL_S)
 
 
-def load_progress(name: str, p: Placement | None, floor: int, same: bool) -> LoadProgress:
+def load_progress(name: str, p: Placement | None, floor: int, same: bool,
+                  transfers: tuple[Transfer, ...] = ()) -> LoadProgress:
     """Where loading `name` stands. Epochs at or below `floor` were planned before our
-    request (for another model), unless the model was already this one (`same`)."""
+    request (for another model), unless the model was already this one (`same`); while
+    stages fetch their files, `transfers` (status's) say how far each Mac is."""
     if p is None or p.model != name:
         return LoadProgress(name, "accepted", detail="waiting for the cluster to commit the model")
     if p.pending is not None and (same or p.pending.epoch > floor):
         n, r, f = len(p.pending.stages), p.pending.ready_count, p.pending.fetched_count
         if f < n:
             return LoadProgress(name, "loading", r, n, p.pending.epoch,
-                                f"epoch {p.pending.epoch}: {f} of {n} stages have their model files (fetching)")
+                                f"epoch {p.pending.epoch}: {f} of {n} stages have their model files ({fetching(transfers)})",
+                                transfers)
         return LoadProgress(name, "loading", r, n, p.pending.epoch, f"epoch {p.pending.epoch}: {r} of {n} stage workers loaded")
     if p.serving and p.stages and p.pending is None and (same or p.epoch > floor):
         n = len(p.stages)
         return LoadProgress(name, "serving", n, n, p.epoch, f"serving on {n} stage{'s' if n != 1 else ''} (epoch {p.epoch})")
     return LoadProgress(name, "planning", detail="members are measuring the model; the leader plans a placement")
+
+
+def fetching(transfers: tuple[Transfer, ...]) -> str:
+    """The fetch of every Mac together: MB done of MB in all, MB/s, the last Mac's time left."""
+    if not transfers:
+        return "fetching"
+    done, total = sum(t.bytes_done for t in transfers), sum(t.bytes_total for t in transfers)
+    going = [t.eta_s for t in transfers if t.bytes_done < t.bytes_total]
+    etas = [e for e in going if e is not None]
+    left = "" if not going else f", {max(etas):.0f} s left" if len(etas) == len(going) else ", time left unknown"
+    return f"fetching {done / 1e6:.1f} of {total / 1e6:.1f} MB, {sum(t.mb_s for t in transfers):g} MB/s{left}"
 
 
 def load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, quorum_timeout_s: float,
@@ -156,7 +170,7 @@ def load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, q
                 raise refused(problem)
         else:
             stale = None
-        progress = load_progress(name, st.placement, floor, same)
+        progress = load_progress(name, st.placement, floor, same, st.transfers)
         if progress != last:
             last = progress
             if on_progress is not None:

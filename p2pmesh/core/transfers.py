@@ -91,3 +91,19 @@ class Transfers:
 def fresh(reports: dict[NodeId, tuple[FetchReport, int]], now_ms: int) -> list[FetchReport]:
     """The reports not older than STALE_MS, by node id (what status shows)."""
     return [r for n, (r, at) in sorted(reports.items()) if now_ms - at <= STALE_MS]
+
+
+def fetch_step(source: str, done: int, total: int) -> tuple[str, int]:
+    """What a `fetch_progress` watch event is emitted on a change of (the client's watch
+    and the dashboard's alike): the source and the tenth of the bytes done (10: all), so a
+    transfer gives about a dozen events, not one per status."""
+    return source, done * 10 // total if total > 0 else 10
+
+
+def fetch_sentence(node: str, source: str, done: int, total: int, mb_s: float, eta_s: float | None) -> str:
+    """A `fetch_progress` event's sentence."""
+    where = "from the hub" if source == "hub" else "from the other Macs"
+    if done >= total:
+        return f"{node[:8]} has its stage's files ({total / 1e6:.1f} MB {where})"
+    left = f"{eta_s:.0f} s left" if eta_s is not None else "time left unknown"
+    return f"{node[:8]} fetching {where}: {done / 1e6:.1f} of {total / 1e6:.1f} MB, {mb_s:g} MB/s, {left}"
