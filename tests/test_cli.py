@@ -179,7 +179,7 @@ def test_load_generate_chat_and_watch(agent: AgentProc, model: Path) -> None:
     lines = [json.loads(line) for line in ok("load", str(model), "--context-tokens", "256", "--json", *target).splitlines()]
     progress, result = lines[:-1], lines[-1]
     assert progress[0]["stage"] == "accepted" and progress[-1]["stage"] == "serving"
-    assert all(set(p) == {"model", "stage", "ready", "stages", "epoch", "detail"} for p in progress)
+    assert all(set(p) == {"model", "stage", "ready", "stages", "epoch", "detail", "transfers"} for p in progress)
     assert result["model"] == str(model) and result["layers"] == 4 and result["stages"][0]["layers"] == [0, 4]
 
     human = ok("load", str(model), "--context-tokens", "256", *target)  # already serving: says so at once
