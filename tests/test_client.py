@@ -52,12 +52,13 @@ PUBLIC_API = {
     "Agent",
     "Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "GroupInfo", "ShareInfo",
     "LoadProgress", "LoadedModel", "ModelInfo", "GenerationResult", "Event", "EventKind", "fallback_chat_prompt", "Requests",
+    "Transfer",
     "P2PMeshError", "AgentNotRunning", "AgentTimeout", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy",
     "ModelRefused", "ModelDoesNotFit", "ModelCannotLoad", "PlacementProblem",
 }
 VALUES = {"Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "GroupInfo", "ShareInfo",
           "LoadProgress",
-          "LoadedModel", "ModelInfo", "GenerationResult", "Event", "PlacementProblem", "Requests"}
+          "LoadedModel", "ModelInfo", "GenerationResult", "Event", "PlacementProblem", "Requests", "Transfer"}
 ERRORS = {"AgentNotRunning", "AgentTimeout", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy", "ModelRefused",
           "ModelDoesNotFit", "ModelCannotLoad"}
 
