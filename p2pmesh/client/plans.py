@@ -26,6 +26,8 @@ LOAD_TIMEOUT_S = 600.0
 POLL_S = 0.2
 MODEL_TIMEOUT_S = 600.0
 """How long set_model waits for the agent's answer: it may first download the model."""
+PROGRESS_EVERY_S = 1.0
+"""While only the bytes fetched move, `load` reports its progress at most this often."""
 MODEL_RESEND_S = 5.0
 """A model proposal can be lost when leadership moves before it commits; send it again if
 the cluster has not committed it after this long (the model op is idempotent)."""
@@ -156,7 +158,8 @@ def load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, q
     info = yield from model_set(name, context_tokens, deadline, batch, parallelism)
     sent = yield Clock()
     # Always report acceptance first: the next poll often finds the model committed already.
-    last: LoadProgress | None = load_progress(name, None, floor, same)
+    last = load_progress(name, None, floor, same)
+    told = sent
     if on_progress is not None:
         on_progress(last)
     while True:
@@ -171,10 +174,15 @@ def load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, q
         else:
             stale = None
         progress = load_progress(name, st.placement, floor, same, st.transfers)
+        stepped = (progress.stage, progress.ready, progress.stages, progress.epoch) != (last.stage, last.ready, last.stages,
+                                                                                         last.epoch)
         if progress != last:
-            last = progress
-            if on_progress is not None:
-                on_progress(progress)
+            now = yield Clock()
+            # Bytes alone are told at most once a PROGRESS_EVERY_S (a pipe gets a line a second, not five).
+            if stepped or now - told >= PROGRESS_EVERY_S:
+                last, told = progress, now
+                if on_progress is not None:
+                    on_progress(progress)
         if progress.done:
             assert st.placement is not None
             return LoadedModel(info.name, info.layers, info.layer_bytes, info.context_tokens, st.placement)
