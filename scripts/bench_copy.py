@@ -21,10 +21,12 @@ With ``--json`` the raw figures end stdout as one JSON line whose first keys are
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -52,30 +54,37 @@ async def _copy(src: Path, dest: Path, over_tls: bool = False) -> float:
     return took
 
 
-async def _tcp_copy(src: Path, dest: Path) -> float:
-    async def serve(stream: trio.SocketStream) -> None:
-        with open(src, "rb") as f:
-            while chunk := await trio.to_thread.run_sync(f.read, CHUNK):
-                await stream.send_all(chunk)
-        await stream.aclose()
+async def tcp_serve(src: Path, stream: trio.SocketStream) -> None:
+    """The baseline's sender: the file in CHUNK reads, over plain TCP."""
+    with open(src, "rb") as f:
+        while chunk := await trio.to_thread.run_sync(f.read, CHUNK):
+            await stream.send_all(chunk)
+    await stream.aclose()
 
+
+async def tcp_receive(host: str, port: int, dest: Path) -> None:
+    """The baseline's receiver: CHUNK receives written in WRITE_BYTES batches, then fsync."""
+    stream = await trio.open_tcp_stream(host, port)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest, "wb") as out:
+        pending = bytearray()
+        while chunk := await stream.receive_some(CHUNK):
+            pending += chunk
+            if len(pending) >= WRITE_BYTES:
+                await trio.to_thread.run_sync(out.write, bytes(pending))
+                pending.clear()
+        await trio.to_thread.run_sync(out.write, bytes(pending))
+        await trio.to_thread.run_sync(out.flush)
+        await trio.to_thread.run_sync(os.fsync, out.fileno())
+
+
+async def _tcp_copy(src: Path, dest: Path) -> float:
     async with trio.open_nursery() as nursery:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         port = listeners[0].socket.getsockname()[1]
-        nursery.start_soon(trio.serve_listeners, serve, listeners)
+        nursery.start_soon(trio.serve_listeners, partial(tcp_serve, src), listeners)
         start = time.perf_counter()
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(dest, "wb") as out:
-            pending = bytearray()
-            while chunk := await stream.receive_some(CHUNK):
-                pending += chunk
-                if len(pending) >= WRITE_BYTES:
-                    await trio.to_thread.run_sync(out.write, bytes(pending))
-                    pending.clear()
-            await trio.to_thread.run_sync(out.write, bytes(pending))
-            await trio.to_thread.run_sync(out.flush)
-            await trio.to_thread.run_sync(os.fsync, out.fileno())
+        await tcp_receive("127.0.0.1", port, dest)
         took = time.perf_counter() - start
         nursery.cancel_scope.cancel()
     return took
@@ -105,13 +114,16 @@ def main() -> int:
     ap = parser(__doc__, prog="scripts/bench_copy.py")
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--netns-cables", type=int, default=0, metavar="N",
+                    help="instead: one file striped over N veth cables between two namespaces vs one cable's "
+                         "plain TCP (root; scripts/copy_netns.py)")
+    ap.add_argument("--cable-mbit", type=int, default=None, metavar="R",
+                    help="with --netns-cables: shape each cable to R Mbit/s (tc tbf), as a real cable has a rate")
     args = ap.parse_args()
+    if args.netns_cables:
+        return _netns(args)
     with tempfile.TemporaryDirectory(prefix="p2pmesh-bench-copy-") as tmp:
-        src = Path(tmp) / "src" / NAME
-        src.parent.mkdir()
-        with open(src, "wb") as f:
-            for _ in range(args.mib):
-                f.write(os.urandom(1 << 20))
+        src = _random_file(Path(tmp) / "src" / NAME, args.mib)
         size = src.stat().st_size
         copy, tls, tcp, disk = [], [], [], []
         for i in range(args.runs):
@@ -138,6 +150,43 @@ def main() -> int:
           f"the disk alone {disk_mbs:.0f} MB/s")
     write_json(args.json, figures)
     return 0
+
+
+def _netns(args: argparse.Namespace) -> int:
+    from copy_netns import measure
+
+    from p2pmesh.cli.netns import usable
+
+    why = usable()
+    if why is not None:
+        print(f"skipped: {why}")
+        write_json(args.json, {"skipped": why})
+        return 0
+    if args.netns_cables < 2:
+        raise SystemExit("--netns-cables takes 2 or more")
+    with tempfile.TemporaryDirectory(prefix="p2pmesh-bench-copy-") as tmp:
+        src = _random_file(Path(tmp) / "src" / NAME, args.mib)
+        figures = measure(src, args.netns_cables, args.runs, args.cable_mbit)
+    n = args.netns_cables
+    shaped = f", each shaped to {args.cable_mbit} Mbit/s" if args.cable_mbit else ", unshaped"
+    table(f"{args.mib} MiB between two namespaces, {n} veth cables{shaped}, best of {args.runs}", "MB/s",
+          "ratio to 1 cable's TCP")
+    tcp = figures["tcp_1_cable_mb_s"]
+    row("plain TCP over 1 cable, same chunks and fsync (baseline)", f"{tcp:.0f}", "1.00x")
+    row("model-file copy over 1 cable", f"{figures['copy_1_cable_mb_s']:.0f}", f"{figures['copy_1_cable_mb_s'] / tcp:.2f}x")
+    many = figures[f"copy_{n}_cables_mb_s"]
+    row(f"model-file copy striped over {n} cables", f"{many:.0f}", f"{many / tcp:.2f}x")
+    print(f"\none file striped over {n} cables: {many:.0f} MB/s, {many / tcp:.2f}x one cable's plain TCP ({tcp:.0f} MB/s)")
+    write_json(args.json, figures)
+    return 0
+
+
+def _random_file(path: Path, mib: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        for _ in range(mib):
+            f.write(os.urandom(1 << 20))
+    return path
 
 
 if __name__ == "__main__":

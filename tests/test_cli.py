@@ -179,7 +179,7 @@ def test_load_generate_chat_and_watch(agent: AgentProc, model: Path) -> None:
     lines = [json.loads(line) for line in ok("load", str(model), "--context-tokens", "256", "--json", *target).splitlines()]
     progress, result = lines[:-1], lines[-1]
     assert progress[0]["stage"] == "accepted" and progress[-1]["stage"] == "serving"
-    assert all(set(p) == {"model", "stage", "ready", "stages", "epoch", "detail"} for p in progress)
+    assert all(set(p) == {"model", "stage", "ready", "stages", "epoch", "detail", "transfers"} for p in progress)
     assert result["model"] == str(model) and result["layers"] == 4 and result["stages"][0]["layers"] == [0, 4]
 
     human = ok("load", str(model), "--context-tokens", "256", *target)  # already serving: says so at once
@@ -225,3 +225,23 @@ def test_load_generate_chat_and_watch(agent: AgentProc, model: Path) -> None:
         watcher.kill()
         watcher.wait(timeout=5)
     assert {"model_changed", "plan_activated"} & set(kinds), (kinds, watcher.stderr.read())
+
+
+def test_status_shows_every_macs_fetch_of_its_files() -> None:
+    """`p2pmesh status` draws each entry of status `transfers` as one line: who, from where,
+    MB done of MB, MB/s and time left (unknown while the rate is)."""
+    from rich.console import Console
+
+    from p2pmesh.cli import terminal
+
+    st = {"node_id": "a" * 32, "cluster_id": "c", "role": "leader", "term": 1, "leader": "a" * 32, "healthy": True,
+          "members": [], "ring": None, "placement": None, "requests": None,
+          "transfers": [{"node_id": "b" * 32, "source": "hub", "bytes_done": 5 * 10**7, "bytes_total": 10**8, "mb_s": 40.0,
+                         "eta_s": 1.3},
+                        {"node_id": "c" * 32, "source": "peer", "bytes_done": 0, "bytes_total": 10**6, "mb_s": 0.0,
+                         "eta_s": None}]}
+    con = Console(record=True, width=200)
+    con.print(terminal.status_view(st))
+    text = con.export_text()
+    assert "bbbbbbbb fetching from the hub: 50.0 of 100.0 MB, 40 MB/s, 1 s left" in text
+    assert "cccccccc fetching from the other Macs: 0.0 of 1.0 MB, 0 MB/s, time left unknown" in text

@@ -52,12 +52,13 @@ PUBLIC_API = {
     "Agent",
     "Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "GroupInfo", "ShareInfo",
     "LoadProgress", "LoadedModel", "ModelInfo", "GenerationResult", "Event", "EventKind", "fallback_chat_prompt", "Requests",
+    "Transfer",
     "P2PMeshError", "AgentNotRunning", "AgentTimeout", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy",
     "ModelRefused", "ModelDoesNotFit", "ModelCannotLoad", "PlacementProblem",
 }
 VALUES = {"Status", "Member", "Port", "Ring", "Hop", "Placement", "PendingPlacement", "StageInfo", "GroupInfo", "ShareInfo",
           "LoadProgress",
-          "LoadedModel", "ModelInfo", "GenerationResult", "Event", "PlacementProblem", "Requests"}
+          "LoadedModel", "ModelInfo", "GenerationResult", "Event", "PlacementProblem", "Requests", "Transfer"}
 ERRORS = {"AgentNotRunning", "AgentTimeout", "NoQuorum", "ModelNotLoaded", "BadRequest", "AgentError", "Busy", "ModelRefused",
           "ModelDoesNotFit", "ModelCannotLoad"}
 
@@ -459,3 +460,19 @@ def test_load_progress_says_when_stages_are_still_fetching_their_files() -> None
     loading = Placement(0, "m", (), False, PendingPlacement(4, stages, ("b",), ("a", "b")))
     p = _load_progress("m", loading, 0, False)
     assert p.stage == "loading" and p.ready == 1 and "1 of 2 stage workers loaded" in p.detail
+
+
+def test_load_progress_shows_every_macs_bytes_rate_and_time_left_while_fetching() -> None:
+    """While stages fetch, load's line sums the Macs' transfers (status `transfers`) and the
+    step carries them; the time left is the slowest Mac's, unknown while one's is."""
+    from p2pmesh.client import PendingPlacement, Placement, StageInfo, Transfer, _load_progress
+
+    stages = (StageInfo("a", 0, 3), StageInfo("b", 3, 6))
+    fetching = Placement(0, "m", (), False, PendingPlacement(4, stages, (), ()))
+    moving = (Transfer("a", "hub", 50_000_000, 100_000_000, 40.0, 1.3), Transfer("b", "peer", 10_000_000, 20_000_000, 5.5, 2.0))
+    p = _load_progress("m", fetching, 0, False, moving)
+    assert p.transfers == moving
+    assert "0 of 2 stages have their model files (fetching 60.0 of 120.0 MB, 45.5 MB/s, 2 s left)" in p.detail
+    unknown = (moving[0], Transfer("b", "peer", 0, 20_000_000, 0.0, None))
+    assert "time left unknown" in _load_progress("m", fetching, 0, False, unknown).detail
+    assert _load_progress("m", fetching, 0, False).detail.endswith("(fetching)")

@@ -39,10 +39,10 @@ from p2pmesh.agent.ports import Inbox, Snapshot, ViewPublisher
 from p2pmesh.agent.status import status_json
 from p2pmesh.agent.tasks import fetch, links, measure, pairing, peer_copy
 from p2pmesh.agent.tasks.workers import Supervisor, WorkersConfig
-from p2pmesh.core import validate, wire
+from p2pmesh.core import transfers, validate, wire
 from p2pmesh.core.errors import LocalProtocolError
 from p2pmesh.core.identity import Identity
-from p2pmesh.core.ids import ClusterId
+from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.machine import (
     FrameReceived,
     Input,
@@ -56,7 +56,7 @@ from p2pmesh.core.machine import (
     Ready,
     TimerFired,
 )
-from p2pmesh.core.messages import Capabilities, LoadReport, SetModel
+from p2pmesh.core.messages import Capabilities, FetchReport, LoadReport, SetModel
 from p2pmesh.core import protocol
 from p2pmesh.core.protocol import ErrorCode, RequestInvalid, error_answer
 from p2pmesh.core.placement import PARALLELISM_CHOICES
@@ -135,6 +135,8 @@ class Agent:
         self.clients: dict[str, trio.MemorySendChannel[ClientEvent]] = {}
         self._load: tuple[LoadReport | None, int] = (None, 0)
         """The serving head's batch report and when the core made or heard it."""
+        self._transfers: dict[NodeId, tuple[FetchReport, int]] = {}
+        """Each member's latest fetch report and when the core made or heard it (core/transfers.py)."""
         self._publisher = ViewPublisher(self.identity.node_id)
         self.view = self._publisher.view
         """What the tasks read: committed state that is on disk (agent/ports.py)."""
@@ -333,6 +335,7 @@ class Agent:
             # The serving head's batch, for status only (kept out of the tasks' view: it
             # changes twice a second and no task acts on it).
             self._load = (m.router.load, m.router.load_ms)
+            self._transfers = m.transfers.reports  # replaced, never changed in place
         if ready.left:
             self.left.set()
 
@@ -527,7 +530,8 @@ class Agent:
         """Control op `status`: this agent's view (agent/status.py), as of the last Ready
         whose durable part is saved."""
         load, load_ms = self._load
-        return status_json(self.view.current, self.config.state_dir, load if self.now_ms() - load_ms <= LOAD_STALE_MS else None)
+        return status_json(self.view.current, self.config.state_dir, load if self.now_ms() - load_ms <= LOAD_STALE_MS else None,
+                           transfers.fresh(self._transfers, self.now_ms()))
 
 
 def _generate_params(r: dict[str, Any]) -> GenerateParams:

@@ -9,17 +9,19 @@ from typing import Any
 
 from p2pmesh.agent.ports import Snapshot
 from p2pmesh.core import dataplane, fit
-from p2pmesh.core.messages import ClusterState, LoadReport, Measure, PortInfo
+from p2pmesh.core.messages import ClusterState, FetchReport, LoadReport, Measure, PortInfo
 from p2pmesh.core.ring_view import ring_json
 
 
-def status_json(snapshot: Snapshot, state_dir: Path, load: LoadReport | None = None) -> dict[str, Any]:
-    """``load``: the serving head's fresh batch report, if any (the `requests` object)."""
+def status_json(snapshot: Snapshot, state_dir: Path, load: LoadReport | None = None,
+                transfers: list[FetchReport] | None = None) -> dict[str, Any]:
+    """``load``: the serving head's fresh batch report, if any (the `requests` object);
+    ``transfers``: the members' fresh fetch reports (the `transfers` list)."""
     st = snapshot.status
     if st is None:
         return {"node_id": snapshot.node_id, "pid": os.getpid(), "cluster_id": None, "role": "starting",
                 "term": 0, "leader": None, "commit_index": 0, "applied_index": 0, "healthy": False,
-                "members": [], "ring": None, "placement": None, "state_dir": str(state_dir)}
+                "members": [], "ring": None, "placement": None, "transfers": [], "state_dir": str(state_dir)}
     state = snapshot.state
     members = []
     ring: dict[str, Any] | None = None
@@ -51,6 +53,7 @@ def status_json(snapshot: Snapshot, state_dir: Path, load: LoadReport | None = N
         "ring": ring,
         "placement": placement,
         "requests": requests_json(state, load),
+        "transfers": [transfer_json(t) for t in transfers or ()],
         "requests_resumed": snapshot.requests_resumed,
         "requests_asked_again": snapshot.requests_asked_again,
         "state_dir": str(state_dir),
@@ -58,7 +61,7 @@ def status_json(snapshot: Snapshot, state_dir: Path, load: LoadReport | None = N
 
 
 PUBLIC_KEYS = ("node_id", "cluster_id", "role", "term", "leader", "healthy", "commit_index", "applied_index",
-               "members", "ring", "placement", "requests")
+               "members", "ring", "placement", "requests", "transfers")
 """The status keys the HTTP API shows (/v1/cluster, the dashboard's events): local details
 (pid, state directory) stay on the control socket."""
 
@@ -75,6 +78,14 @@ def requests_json(state: ClusterState | None, load: LoadReport | None) -> dict[s
         return None
     return {"active": load.running, "queued": load.queued, "tokens_per_s": load.tokens_per_s,
             "head": load.src, "epoch": load.epoch}
+
+
+def transfer_json(report: FetchReport) -> dict[str, Any]:
+    """One `transfers` entry: a Mac copying ("peer") or downloading ("hub") its stage's
+    missing files: bytes arrived and in all, MB/s over the last seconds, seconds left at
+    that rate (None while unknown). Shown while its reports are fresh (core/transfers.py)."""
+    return {"node_id": report.src, "source": report.source, "bytes_done": report.bytes_done,
+            "bytes_total": report.bytes_total, "mb_s": report.mb_s, "eta_s": report.eta_s}
 
 
 def placement_json(state: ClusterState) -> dict[str, Any]:

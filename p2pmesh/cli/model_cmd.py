@@ -14,6 +14,7 @@ quorum in time, no model loaded, not serving in time, the model does not fit its
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Iterator
@@ -135,7 +136,8 @@ def _load(args: argparse.Namespace, cluster: api.Client) -> int:
     if args.json:
         def report(p: api.LoadProgress) -> None:
             print(json.dumps({"model": p.model, "stage": p.stage, "ready": p.ready, "stages": p.stages,
-                              "epoch": p.epoch, "detail": p.detail}), flush=True)
+                              "epoch": p.epoch, "detail": p.detail,
+                              "transfers": [dataclasses.asdict(t) for t in p.transfers]}), flush=True)
 
         loaded = cluster.load(args.model, context_tokens=args.context_tokens, timeout=args.timeout, on_progress=report,
                               batch=args.batch, parallelism=args.parallelism, kv_bits=args.kv_bits)
@@ -302,7 +304,8 @@ def _watch(args: argparse.Namespace, cluster: api.Client) -> int:
         for event in cluster.watch(interval=args.interval):
             if args.json:
                 print(json.dumps({"kind": str(event.kind), "detail": event.detail, "node_id": event.node_id,
-                                  "epoch": event.epoch, "ready": event.ready, "stages": event.stages}), flush=True)
+                                  "epoch": event.epoch, "ready": event.ready, "stages": event.stages,
+                                  **(dataclasses.asdict(event.transfer) if event.transfer is not None else {})}), flush=True)
             elif event.kind in (api.EventKind.PLAN_COMMITTED, api.EventKind.REBALANCE_PROGRESS):
                 if bar is None:
                     bar = ProgressReport(con, f"rebalancing to epoch {event.epoch}").__enter__()

@@ -14,6 +14,8 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from p2pmesh.core.transfers import fetch_sentence
+
 SHORT_ID = 8
 TB_STYLE, SLOW_STYLE, DOWN_STYLE, OK_STYLE, DIM = "green", "yellow", "bold red", "green", "dim"
 
@@ -161,6 +163,8 @@ def status_view(status: dict[str, Any]) -> RenderableType:
     if requests:
         parts.append(Text(f"requests: {requests['active']} running, {requests['queued']} queued, "
                           f"{requests['tokens_per_s']:g} tokens/s (head {short(requests['head'], status['node_id'])})"))
+    for t in status.get("transfers") or ():
+        parts.append(Text(fetch_sentence(t["node_id"], t["source"], t["bytes_done"], t["bytes_total"], t["mb_s"], t["eta_s"])))
     if status.get("requests_resumed"):
         parts.append(Text(f"requests resumed on a new epoch so far: {status['requests_resumed']}"))
     return Group(*parts)

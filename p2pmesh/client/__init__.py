@@ -58,6 +58,7 @@ from p2pmesh.client.values import (
     ShareInfo,
     StageInfo,
     Status,
+    Transfer,
 )
 from p2pmesh.client.values import parse_status as _status
 from p2pmesh.core.errors import MeshError
@@ -89,6 +90,7 @@ __all__ = sorted([
     "ShareInfo",
     "StageInfo",
     "Status",
+    "Transfer",
     "connect",
     "fallback_chat_prompt",
     "open_client",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from p2pmesh.core.transfers import fetch_sentence, fetch_step
 from p2pmesh.client.values import Event, EventKind, Status, newest_epoch
 
 
@@ -41,6 +42,12 @@ def diff(prev: Status, cur: Status) -> list[Event]:
     if q1 is not None and (q0 is None or (q1.active, q1.queued) != (q0.active, q0.queued)):
         ev(EventKind.REQUESTS_CHANGED, f"{q1.active} request{'s' if q1.active != 1 else ''} running, {q1.queued} queued, "
            f"{q1.tokens_per_s:g} tokens/s", node_id=q1.head, epoch=q1.epoch)
+    before_t = {t.node_id: t for t in prev.transfers}
+    for t in cur.transfers:
+        old = before_t.get(t.node_id)
+        if old is None or fetch_step(old.source, old.bytes_done, old.bytes_total) != fetch_step(t.source, t.bytes_done, t.bytes_total):
+            ev(EventKind.FETCH_PROGRESS, fetch_sentence(t.node_id, t.source, t.bytes_done, t.bytes_total, t.mb_s, t.eta_s),
+               node_id=t.node_id, transfer=t)
     p0, p1 = prev.placement, cur.placement
     if p1 is None:
         return out
@@ -67,4 +74,5 @@ def diff(prev: Status, cur: Status) -> list[Event]:
             ev(EventKind.PLAN_ACTIVATED, f"placement epoch {p1.epoch} serves now ({n} stage{'s' if n != 1 else ''})"
                if n else f"placement epoch {p1.epoch}: nothing to serve", epoch=p1.epoch, ready=n, stages=n)
     return out
+
 

@@ -14,7 +14,7 @@ from typing import Any
 from p2pmesh.client.chat import chat_prompt, check_messages
 from p2pmesh.client.events import diff
 from p2pmesh.client.steps import REQUEST_TIMEOUT_S, Blocking, Clock, Emit, Plan, Sleep, ask, ask_answer, events
-from p2pmesh.client.values import LoadedModel, LoadProgress, ModelInfo, Placement, Status, formed, newest_epoch
+from p2pmesh.client.values import LoadedModel, LoadProgress, ModelInfo, Placement, Status, Transfer, formed, newest_epoch
 from p2pmesh.client.values import parse_model, parse_status
 from p2pmesh.core import protocol
 from p2pmesh.core.protocol import AgentError, BadRequest, ModelNotLoaded, NoQuorum, refused
@@ -26,6 +26,8 @@ LOAD_TIMEOUT_S = 600.0
 POLL_S = 0.2
 MODEL_TIMEOUT_S = 600.0
 """How long set_model waits for the agent's answer: it may first download the model."""
+PROGRESS_EVERY_S = 1.0
+"""While only the bytes fetched move, `load` reports its progress at most this often."""
 MODEL_RESEND_S = 5.0
 """A model proposal can be lost when leadership moves before it commits; send it again if
 the cluster has not committed it after this long (the model op is idempotent)."""
@@ -112,21 +114,35 @@ def model_set(name: str, context_tokens: int, deadline: float, batch: int | None
         yield Sleep(POLL_S)
 
 
-def load_progress(name: str, p: Placement | None, floor: int, same: bool) -> LoadProgress:
+def load_progress(name: str, p: Placement | None, floor: int, same: bool,
+                  transfers: tuple[Transfer, ...] = ()) -> LoadProgress:
     """Where loading `name` stands. Epochs at or below `floor` were planned before our
-    request (for another model), unless the model was already this one (`same`)."""
+    request (for another model), unless the model was already this one (`same`); while
+    stages fetch their files, `transfers` (status's) say how far each Mac is."""
     if p is None or p.model != name:
         return LoadProgress(name, "accepted", detail="waiting for the cluster to commit the model")
     if p.pending is not None and (same or p.pending.epoch > floor):
         n, r, f = len(p.pending.stages), p.pending.ready_count, p.pending.fetched_count
         if f < n:
             return LoadProgress(name, "loading", r, n, p.pending.epoch,
-                                f"epoch {p.pending.epoch}: {f} of {n} stages have their model files (fetching)")
+                                f"epoch {p.pending.epoch}: {f} of {n} stages have their model files ({fetching(transfers)})",
+                                transfers)
         return LoadProgress(name, "loading", r, n, p.pending.epoch, f"epoch {p.pending.epoch}: {r} of {n} stage workers loaded")
     if p.serving and p.stages and p.pending is None and (same or p.epoch > floor):
         n = len(p.stages)
         return LoadProgress(name, "serving", n, n, p.epoch, f"serving on {n} stage{'s' if n != 1 else ''} (epoch {p.epoch})")
     return LoadProgress(name, "planning", detail="members are measuring the model; the leader plans a placement")
+
+
+def fetching(transfers: tuple[Transfer, ...]) -> str:
+    """The fetch of every Mac together: MB done of MB in all, MB/s, the last Mac's time left."""
+    if not transfers:
+        return "fetching"
+    done, total = sum(t.bytes_done for t in transfers), sum(t.bytes_total for t in transfers)
+    going = [t.eta_s for t in transfers if t.bytes_done < t.bytes_total]
+    etas = [e for e in going if e is not None]
+    left = "" if not going else f", {max(etas):.0f} s left" if len(etas) == len(going) else ", time left unknown"
+    return f"fetching {done / 1e6:.1f} of {total / 1e6:.1f} MB, {sum(t.mb_s for t in transfers):g} MB/s{left}"
 
 
 def load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, quorum_timeout_s: float,
@@ -145,7 +161,8 @@ def load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, q
     info = yield from model_set(name, context_tokens, deadline, batch, parallelism, kv_bits)
     sent = yield Clock()
     # Always report acceptance first: the next poll often finds the model committed already.
-    last: LoadProgress | None = load_progress(name, None, floor, same)
+    last = load_progress(name, None, floor, same)
+    told = sent
     if on_progress is not None:
         on_progress(last)
     while True:
@@ -159,11 +176,16 @@ def load(model: str | os.PathLike[str], context_tokens: int, timeout_s: float, q
                 raise refused(problem)
         else:
             stale = None
-        progress = load_progress(name, st.placement, floor, same)
+        progress = load_progress(name, st.placement, floor, same, st.transfers)
+        stepped = (progress.stage, progress.ready, progress.stages, progress.epoch) != (last.stage, last.ready, last.stages,
+                                                                                         last.epoch)
         if progress != last:
-            last = progress
-            if on_progress is not None:
-                on_progress(progress)
+            now = yield Clock()
+            # Bytes alone are told at most once a PROGRESS_EVERY_S (a pipe gets a line a second, not five).
+            if stepped or now - told >= PROGRESS_EVERY_S:
+                last, told = progress, now
+                if on_progress is not None:
+                    on_progress(progress)
         if progress.done:
             assert st.placement is not None
             return LoadedModel(info.name, info.layers, info.layer_bytes, info.context_tokens, st.placement)

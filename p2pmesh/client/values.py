@@ -184,6 +184,22 @@ class Requests:
 
 
 @dataclass(frozen=True)
+class Transfer:
+    """A Mac copying its stage's files from the other Macs (``source`` "peer") or
+    downloading them from Hugging Face ("hub"), as its latest report says (at most a few
+    seconds old)."""
+
+    node_id: str
+    source: str
+    bytes_done: int
+    bytes_total: int
+    mb_s: float
+    """Over the last few seconds."""
+    eta_s: float | None
+    """Seconds left at that rate; None while unknown."""
+
+
+@dataclass(frozen=True)
 class Status:
     """The agent's view of the cluster, at one moment."""
 
@@ -208,6 +224,8 @@ class Status:
     requests: Requests | None = None
     """Active and queued requests and tokens/s; None when nothing serves or the head has
     not reported yet."""
+    transfers: tuple[Transfer, ...] = ()
+    """The Macs fetching their stage's files now (and for a few seconds after)."""
 
     @property
     def is_leader(self) -> bool:
@@ -230,6 +248,8 @@ class LoadProgress:
     stages: int = 0
     epoch: int | None = None
     detail: str = ""
+    transfers: tuple[Transfer, ...] = ()
+    """While stages fetch their files: each Mac's bytes done and in all, MB/s, time left."""
 
     @property
     def done(self) -> bool:
@@ -293,6 +313,9 @@ class EventKind(StrEnum):
     """More workers of the pending epoch are ready (`ready` of `stages`)."""
     REQUESTS_CHANGED = "requests_changed"
     """The number of requests running or queued at the serving head changed."""
+    FETCH_PROGRESS = "fetch_progress"
+    """A Mac fetching its stage's files got another tenth of them (or started, or finished):
+    ``transfer`` says how far."""
     PLAN_ACTIVATED = "plan_activated"
     """The pending epoch serves now (or the model was cleared)."""
 
@@ -310,6 +333,13 @@ class Event:
     stages: int | None = None
     status: Status | None = field(default=None, repr=False, compare=False)
     """The status in which the change was seen."""
+    transfer: Transfer | None = None
+    """fetch_progress: the Mac's transfer (node_id is its Mac)."""
+
+
+def _transfer(d: Mapping[str, Any]) -> Transfer:
+    return Transfer(str(d["node_id"]), str(d["source"]), int(d["bytes_done"]), int(d["bytes_total"]), float(d["mb_s"]),
+                    _opt_float(d.get("eta_s")))
 
 
 def _requests(d: Any) -> Requests | None:
@@ -412,6 +442,7 @@ def parse_status(d: Any) -> Status:
             requests_asked_again=int(d.get("requests_asked_again") or 0),
             state_dir=Path(d["state_dir"]) if d.get("state_dir") else None,
             requests=_requests(d.get("requests")),
+            transfers=tuple(_transfer(t) for t in d.get("transfers") or ()),
         )
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise AgentError(f"the agent's status has a shape this client does not understand ({exc!r}); "

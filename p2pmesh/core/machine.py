@@ -42,6 +42,7 @@ from p2pmesh.core.messages import (
     Command,
     Config,
     Entry,
+    FetchReport,
     ForwardProposal,
     Header,
     Hello,
@@ -63,6 +64,7 @@ from p2pmesh.core.node_io import (  # the machine's inputs and outputs, importab
     AddressesChanged,
     ClusterEvent,
     Effects,
+    FetchProgressed,
     FrameReceived,
     GenerateCancelled,
     GenerateRequested,
@@ -99,6 +101,7 @@ from p2pmesh.core.publishing import LocalFacts, Publisher
 from p2pmesh.core.raft import LEADER, HardState, Raft, RaftOutput
 from p2pmesh.core.serving import ROUTED, Router
 from p2pmesh.core.settings import Settings
+from p2pmesh.core.transfers import Transfers
 from p2pmesh.core import dataplane, leave, validate, wire
 
 INC_MAX = 2**63 - 1
@@ -164,6 +167,7 @@ class Machine:
         self.duties = self.leader_class(settings)
         """The leader's proposals (core/leader.py), kept while this node leads."""
         self.router = Router(node_id)
+        self.transfers = Transfers(node_id)  # every member's fetch of its stage's files
         self._inputs = self._input_table()
 
     # ------------------------------------------------------------------------------
@@ -300,6 +304,7 @@ class Machine:
             WorkerLoad: lambda e, now_ms: self.router.worker_load(e.epoch, e.running, e.queued, e.tokens, now_ms),
             WorkerOutput: self._on_worker_output,
             WorkerCrashed: self._on_worker_crashed,
+            FetchProgressed: self._on_fetch_progress,
             LeaveRequested: self._on_leave,
         }
 
@@ -335,6 +340,11 @@ class Machine:
 
     def _on_fetched(self, event: StageFilesFetched, now_ms: int) -> None:
         self.facts.worker_event("fetched", event.epoch)
+
+    def _on_fetch_progress(self, event: FetchProgressed, now_ms: int) -> None:
+        report = self.transfers.local(event.source, event.bytes_done, event.bytes_total, now_ms)
+        if report is not None and self.raft is not None and self.mode is MEMBER:
+            self.ready.messages.extend((m.node_id, report) for m in self.raft.state.members if m.node_id != self.node_id)
 
     def _on_loaded(self, event: WorkerLoaded, now_ms: int) -> None:
         self.facts.worker_event("loaded", event.epoch)
@@ -406,7 +416,7 @@ class Machine:
             self._on_join_reply(msg)
         elif isinstance(msg, RemovalNotice):
             self._on_removal_notice(peer, msg, now_ms)
-        elif isinstance(msg, ROUTED):
+        elif isinstance(msg, (*ROUTED, FetchReport)):
             self._on_infer(peer, msg, now_ms)
 
     def _on_infer(self, peer: NodeId, msg: Message, now_ms: int) -> None:
@@ -415,8 +425,10 @@ class Machine:
         # that this node has not applied its membership yet (it knows it from discovery).
         if r is None or not (any(m.node_id == peer for m in r.state.members) or peer in self.peers):
             self.rejected_frames += 1
-            return
-        self.router.on_message(peer, msg, r.state, now_ms)
+        elif isinstance(msg, FetchReport):
+            self.transfers.heard(peer, msg, now_ms)
+        else:
+            self.router.on_message(peer, msg, r.state, now_ms)
 
     def _on_raft_message(self, msg: Message, now_ms: int) -> None:
         r = self.raft

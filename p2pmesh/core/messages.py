@@ -693,7 +693,24 @@ class LoadReport:
     tokens_per_s: float
 
 
+@register(58)
+@dataclass(frozen=True, slots=True)
+class FetchReport:
+    """A Mac's copy or download of its stage's files, sent to every member at most twice a
+    second while it lasts (core/transfers.py), so any Mac's status shows every Mac's."""
+
+    src: NodeId
+    source: str
+    """"peer" (copied from other Macs) or "hub" (downloaded from Hugging Face)."""
+    bytes_done: int
+    bytes_total: int
+    mb_s: float
+    """Over the last few seconds (core/transfers.RATE_WINDOW_MS)."""
+    eta_s: float | None
+    """Seconds left at that rate; None while the rate is not known yet (or is zero)."""
+
+
 Message = (RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice | InferRequest | InferTokens | InferCancel
-           | LoadReport)
+           | LoadReport | FetchReport)
 MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
 """Every type that may arrive as a frame on its own (for isinstance checks)."""

@@ -204,6 +204,17 @@ class WorkerLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class FetchProgressed:
+    """This node's fetch task: ``bytes_done`` of the ``bytes_total`` its stage's missing files
+    hold have arrived, copied from other Macs (``source`` "peer") or downloaded from Hugging
+    Face ("hub"); reported at most twice a second while it lasts, and once at its end."""
+
+    source: str
+    bytes_done: int
+    bytes_total: int
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerCrashed:
     """This node's worker for data-plane ``epoch`` exited or stopped answering."""
 
@@ -232,6 +243,7 @@ Input = (
     | WorkerOutput
     | WorkerLoad
     | WorkerCrashed
+    | FetchProgressed
 )
 
 

@@ -16,11 +16,15 @@ The rules:
   BACKOFF_S[1]), at most FETCH_ATTEMPTS_MAX times per epoch; then the epoch is reported
   broken (``WorkerCrashed``, like a worker that cannot start) and the leader restarts or
   re-plans it, a bounded number of times (dataplane.RESTARTS_MAX);
-- copies of other models are removed once the cluster has kept its model PRUNE_AFTER_S.
+- copies of other models are removed once the cluster has kept its model PRUNE_AFTER_S;
+- of a model's files several Macs need from Hugging Face, each is downloaded by one of them
+  (``hub_downloaders``); the others copy it from that Mac once it is there. A cluster
+  downloads each file once, spread over the Macs that need files.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from p2pmesh.core import dataplane
@@ -44,6 +48,9 @@ class FetchJob:
     model: str
     start: int
     end: int
+    needs: tuple[tuple[NodeId, int, int], ...] = ()
+    """Every stage of the placement, in rank order: (member, start, end), who needs which
+    layers' files (for ``hub_downloaders``)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -91,7 +98,7 @@ class FetchPlanner:
         want = dataplane.fetch_wanted(state, self.me)
         if want is None:
             return None
-        job = FetchJob(cluster, *want)
+        job = FetchJob(cluster, *want, tuple((s.node_id, s.start, s.end) for s in state.placement))
         if job.key in self.reported or self.failures.get(job.key, 0) >= self.policy.attempts_max:
             return None
         self.in_flight = job
@@ -136,3 +143,24 @@ class FetchPlanner:
         if self.retry_at > now:
             due = min(due, self.retry_at)
         return max(0.0, due - now)
+
+
+def hub_downloaders(needs: Sequence[tuple[NodeId, Sequence[str]]]) -> dict[str, NodeId]:
+    """For each file some Mac needs from Hugging Face, the one Mac that downloads it; the
+    others wait until a Mac holds it and copy it from there. ``needs``: (Mac, the files it
+    needs), in a order every Mac computes alike (the placement's ranks); a Mac may appear
+    more than once. Each file, in name order, goes to the Mac needing it that was given the
+    fewest files so far (ties: the earliest in ``needs``), so the downloads are spread over
+    the Macs and each Mac mostly downloads files it needs itself."""
+    first: dict[NodeId, int] = {}
+    wanted: dict[NodeId, set[str]] = {}
+    for i, (node, files) in enumerate(needs):
+        first.setdefault(node, i)
+        wanted.setdefault(node, set()).update(files)
+    given = dict.fromkeys(first, 0)
+    out: dict[str, NodeId] = {}
+    for f in sorted(set().union(*wanted.values())) if wanted else []:
+        pick = min((n for n in first if f in wanted[n]), key=lambda n: (given[n], first[n]))
+        out[f] = pick
+        given[pick] += 1
+    return out

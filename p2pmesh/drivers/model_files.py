@@ -15,7 +15,7 @@ No MLX and no trio: the agent, the client and the workers all use it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,8 @@ METADATA_PATTERNS = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoke
 """What is fetched besides weight files (mlx-lm's own list): config, index, tokenizer."""
 INDEX_BYTES_MAX = 64 * 1024 * 1024
 CONFIG_BYTES_MAX = 1024 * 1024
+DOWNLOAD_CHUNK_BYTES = 1024 * 1024
+"""What a hub download reads (and counts for its progress) at a time."""
 
 
 class ModelFilesError(Exception):
@@ -67,6 +69,53 @@ def fetch_weights(repo_id: str, files: Iterable[str] | None, revision: str | Non
     patterns = ["model*.safetensors"] if files is None else sorted(set(files))
     return Path(_hub_call("the weights", repo_id,
                           lambda: snapshot_download(repo_id, revision=revision, allow_patterns=[*METADATA_PATTERNS, *patterns])))
+
+
+def hub_file_size(repo_id: str, filename: str, revision: str | None = None) -> int:
+    """The size of one file on the hub (a HEAD request, no bytes of it; 0 when the hub does
+    not say): the total a download's progress counts towards."""
+    from huggingface_hub import hf_hub_download
+
+    info = _hub_call(f"the size of {filename}", repo_id,
+                     lambda: hf_hub_download(repo_id, filename, revision=revision, dry_run=True))
+    return int(getattr(info, "file_size", None) or 0)
+
+
+def fetch_hub_file(repo_id: str, filename: str, on_bytes: Callable[[int], None], revision: str | None = None) -> Path:
+    """Download one file from the hub into its cache (resumed by huggingface_hub when a partial
+    is there); ``on_bytes(n)`` is called as bytes arrive (from this thread). Returns the
+    snapshot directory holding it: a file is in a snapshot only once it is complete, which is
+    what lets this Mac serve it to the others file by file (agent/tasks/hub_share.py)."""
+    from huggingface_hub import constants, hf_hub_download
+    from tqdm.auto import tqdm
+
+    class Counting(tqdm):  # type: ignore[misc, type-arg]
+        """huggingface_hub's progress bar, silent, counting the bytes for p2pmesh's progress."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            on_bytes(int(n or 0))
+            return super().update(n)  # type: ignore[no-any-return]
+
+    # huggingface_hub reads (and counts) 10 MiB at a time; 1 MiB gives a progress that moves
+    # on a slow line too, at no cost to speed worth measuring (read at each download).
+    constants.DOWNLOAD_CHUNK_SIZE = DOWNLOAD_CHUNK_BYTES
+    path = _hub_call(filename, repo_id, lambda: hf_hub_download(repo_id, filename, revision=revision, tqdm_class=Counting))
+    return Path(path).parent
+
+
+def cached_metadata(repo_id: str) -> Path | None:
+    """The cached snapshot of a hub model's metadata when this Mac has it (no request)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = Path(snapshot_download(repo_id, allow_patterns=METADATA_PATTERNS, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached here
+        return None
+    return local if (local / "config.json").is_file() else None
 
 
 def fetch_layers(repo_id: str, layers: tuple[int, int] | None, revision: str | None = None) -> Path:

@@ -43,6 +43,8 @@ class AgentProc:
     prefix: list[str] = field(default_factory=list)
     """A command prefix such as ["ip", "netns", "exec", NAME] to run inside a namespace."""
     listens: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for the agent process beside the test's own (HF_ENDPOINT...)."""
 
     def start(self) -> None:
         cmd = [*self.prefix, sys.executable, "-m", "p2pmesh", "agent", "--state-dir", str(self.state_dir), *self.extra]
@@ -55,7 +57,7 @@ class AgentProc:
         if self.key_file is not None:
             cmd += ["--cluster-key-file", str(self.key_file)]
         log = open(self.state_dir.with_suffix(".log"), "ab")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
 
     def status(self) -> dict[str, Any] | None:
         r = subprocess.run(

@@ -12,6 +12,7 @@ has the real cluster and the real browser):
 """
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import re
@@ -276,16 +277,22 @@ def test_watch_events_are_the_clients_watch_events() -> None:
                 requests={"active": 3, "queued": 1, "tokens_per_s": 99.0, "head": A, "epoch": 1}),
         _status(members={A: True}, cluster="c2", placement=placement(1, [(A, 0, 6)])),
         _status(members={A: True}, cluster="c2", placement=None),
+        {**_status(members={A: True}, cluster="c2", placement=None),
+         "transfers": [{"node_id": A, "source": "hub", "bytes_done": 0, "bytes_total": 10**8, "mb_s": 0.0, "eta_s": None}]},
+        {**_status(members={A: True}, cluster="c2", placement=None),
+         "transfers": [{"node_id": A, "source": "hub", "bytes_done": 5 * 10**7, "bytes_total": 10**8, "mb_s": 50.0, "eta_s": 1.0},
+                       {"node_id": B, "source": "peer", "bytes_done": 10**6, "bytes_total": 10**6, "mb_s": 9.5, "eta_s": 0.0}]},
     ]
     fields = ("node_id", "epoch", "ready", "stages")
     seen = set()
     for i, prev in enumerate(sequence):
         for cur in sequence[i:]:
             ours = watch_events(prev, cur)
-            theirs = [{"kind": e.kind.value, "detail": e.detail, **{f: getattr(e, f) for f in fields if getattr(e, f) is not None}}
+            theirs = [{"kind": e.kind.value, "detail": e.detail, **{f: getattr(e, f) for f in fields if getattr(e, f) is not None},
+                       **({k: v for k, v in dataclasses.asdict(e.transfer).items() if v is not None} if e.transfer else {})}
                       for e in _diff(parse(prev), parse(cur))]
             assert [{k: v for k, v in e.items() if v is not None} for e in ours] == theirs, (i, cur)
             seen |= {e["kind"] for e in ours}
     assert seen == {"cluster_changed", "member_joined", "member_left", "member_down", "member_up", "leader_changed",
                     "ring_changed", "model_changed", "plan_committed", "rebalance_progress", "requests_changed",
-                    "plan_activated"}
+                    "plan_activated", "fetch_progress"}

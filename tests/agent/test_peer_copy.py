@@ -13,13 +13,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from p2pmesh.drivers import model_files
 from p2pmesh.client import Client
 from p2pmesh.drivers.files import read_manifest
 from p2pmesh.agent.models import copy_dir
-from tests.agent.harness import ROOT, AgentProc, free_port, make_model, one_cluster, wait_for
-from tests.agent.test_inference_loopback import _generate, _serving
+from tests.agent.harness import ROOT, AgentProc, control_status, free_port, make_model, one_cluster, wait_for
+from tests.agent.test_inference_loopback import _generate
 
 FORM_TIMEOUT_S = 40
 SERVE_TIMEOUT_S = 120
@@ -69,8 +70,21 @@ def test_a_model_on_one_mac_is_copied_to_the_others_and_served(tmp_path: Path) -
         wait_for(lambda: one_cluster(agents, 3), FORM_TIMEOUT_S, "one cluster of 3")
         answer = Client(agents[0].state_dir).call("model", name=NAME, context_tokens=CONTEXT, timeout=60)
         assert answer["ok"], answer
-        placement = wait_for(lambda: _serving(agents[0], 1), SERVE_TIMEOUT_S, "a serving placement")
-        assert [s["node_id"] for s in placement["stages"]] == [agents[1].status()["node_id"]]  # type: ignore[index]
+        seen: list[dict[str, Any]] = []  # the transfers m0's status showed
+
+        def serving() -> dict[str, Any] | None:
+            st = control_status(agents[0])
+            seen.extend(st["transfers"] if st is not None else ())
+            p = st["placement"] if st is not None else None
+            return p if p and p["serving"] and len(p["stages"]) == 1 and "pending" not in p else None
+
+        placement = wait_for(serving, SERVE_TIMEOUT_S, "a serving placement", step_s=0.05)
+        m1 = agents[1].status()["node_id"]  # type: ignore[index]
+        assert [s["node_id"] for s in placement["stages"]] == [m1]
+        # m1's copy of its stage's files, as m0 saw it: from the other Macs, every byte at the end.
+        assert any(t["node_id"] == m1 and t["source"] == "peer" and t["bytes_done"] == t["bytes_total"] > 0
+                   for t in seen), seen
+        assert all(0 <= t["bytes_done"] <= t["bytes_total"] for t in seen)
         tokens, last = _generate(agents[2], 12)  # m2 asks; m1, which copied the model, answers
         assert last.get("finish") in ("length", "stop") and tokens == _reference(model, 12)[: len(tokens)]
 

@@ -9,7 +9,8 @@ import math
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.messages import ClusterState, ModelInfo, Stage
 from p2pmesh.core.node_io import StageFilesFetched, WorkerCrashed
-from p2pmesh.core.stage_fetch import BACKOFF_S, FETCH_ATTEMPTS_MAX, PRUNE_AFTER_S, FetchJob, FetchPlanner, FetchPolicy
+from p2pmesh.core.stage_fetch import (BACKOFF_S, FETCH_ATTEMPTS_MAX, PRUNE_AFTER_S, FetchJob, FetchPlanner, FetchPolicy,
+                                      hub_downloaders)
 
 ME, PEER = NodeId("me"), NodeId("peer")
 
@@ -23,11 +24,11 @@ def test_each_pending_stage_is_fetched_once_per_cluster_and_one_at_a_time() -> N
     p = FetchPlanner(ME, 0.0)
     assert p.next_job(None, "c1", 0.0) is None  # outside a cluster
     job = p.next_job(_state(), "c1", 0.0)
-    assert job == FetchJob("c1", 3, "m", 0, 1)
+    assert job == FetchJob("c1", 3, "m", 0, 1, ((ME, 0, 1), (PEER, 1, 2)))  # and who needs which layers
     assert p.next_job(_state(4), "c1", 0.0) is None  # one at a time
     assert p.fetched(job) == StageFilesFetched(3)
     assert p.next_job(_state(), "c1", 1.0) is None  # reported already
-    assert p.next_job(_state(), "c2", 1.0) == FetchJob("c2", 3, "m", 0, 1)  # epochs restart in another cluster
+    assert p.next_job(_state(), "c2", 1.0) == FetchJob("c2", 3, "m", 0, 1, job.needs)  # epochs restart in another cluster
 
 
 def test_nothing_to_fetch_once_fetched_or_without_a_pending_placement() -> None:
@@ -67,3 +68,20 @@ def test_copies_of_other_models_are_pruned_once_the_model_has_stayed() -> None:
     assert p.prune_due("a", 1000.0) is None and p.wake_in(1000.0) == math.inf  # once per model
     assert p.prune_due("b", 1000.0) is None  # a new model starts its own wait
     assert p.prune_due("b", 1000.0 + PRUNE_AFTER_S) == "b"
+
+
+def test_each_file_several_macs_need_from_the_hub_has_one_downloader_among_them() -> None:
+    """core/stage_fetch.hub_downloaders: one Mac per file, always one that needs it, spread
+    over the Macs (fewest files so far, ties to the earlier rank), the same on every Mac."""
+    a, b, c = NodeId("a"), NodeId("b"), NodeId("c")
+    needs = [(a, ["w1", "w2"]), (b, ["w2", "w3"]), (c, ["w3", "w4", "w1"])]
+    plan = hub_downloaders(needs)
+    assert set(plan) == {"w1", "w2", "w3", "w4"}
+    assert all(f in dict(needs)[n] for f, n in plan.items())  # a downloader needs its file
+    assert plan == {"w1": a, "w2": b, "w3": c, "w4": c}
+    assert hub_downloaders(list(needs)) == plan  # deterministic
+    # A tensor group: two ranks need the same files; the downloads are split between them.
+    assert sorted(hub_downloaders([(a, ["x", "y"]), (b, ["x", "y"])]).values()) == [a, b]
+    # A Mac listed twice counts once; nobody needing anything: no downloads.
+    assert hub_downloaders([(a, ["x"]), (a, ["y"])]) == {"x": a, "y": a}
+    assert hub_downloaders([]) == {} and hub_downloaders([(a, [])]) == {}

@@ -49,6 +49,26 @@ class FakeHub:
                     self.fetched.append(f.name)
         return str(local)
 
+    def hf_hub_download(self, repo_id: str, filename: str, *, revision: str | None = None, dry_run: bool = False,
+                        tqdm_class: type | None = None, **_: object) -> object:
+        """One file (p2pmesh/agent/tasks/hub_share.py downloads a stage file by file), its
+        bytes counted through ``tqdm_class`` as huggingface_hub does; a dry run says its size."""
+        from huggingface_hub.file_download import DryRunFileInfo
+
+        assert repo_id == REPO and revision is None
+        src = self.repo / filename
+        if dry_run:
+            return DryRunFileInfo(commit_hash="0" * 40, file_size=src.stat().st_size, filename=filename, local_path=str(self.cache / filename), is_cached=False, will_download=True)
+        local = self.cache / repo_id.replace("/", "--")
+        local.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, local / filename)
+        if tqdm_class is not None:
+            bar = tqdm_class(total=src.stat().st_size)
+            bar.update(src.stat().st_size)
+            bar.close()
+        self.fetched.append(filename)
+        return str(local / filename)
+
     def get_safetensors_metadata(self, repo_id: str, *, revision: str | None = None, **_: object) -> object:
         from huggingface_hub.utils._safetensors import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
 
@@ -75,6 +95,7 @@ def hub(repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
     fake = FakeHub(repo, tmp_path / "cache")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake.snapshot_download)
     monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", fake.get_safetensors_metadata)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake.hf_hub_download)
     return fake
 
 

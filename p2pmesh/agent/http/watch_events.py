@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from p2pmesh.core.transfers import fetch_sentence, fetch_step
+
 Json = dict[str, Any]
 
 
@@ -51,7 +53,24 @@ def watch_events(prev: Json, cur: Json) -> list[Json]:
         ev("requests_changed", f"{n} request{'s' if n != 1 else ''} running, {q1['queued']} queued, "
            f"{float(q1['tokens_per_s']):g} tokens/s", node_id=q1["head"], epoch=q1["epoch"])
     out += _placement_events(None if moved else prev.get("placement"), cur.get("placement"), prev.get("placement"))
+    out += _fetch_events(prev.get("transfers") or (), cur.get("transfers") or ())
     return out
+
+
+def _fetch_events(t0: Any, t1: Any) -> list[Json]:
+    before = {t["node_id"]: t for t in t0}
+    out: list[Json] = []
+    for t in t1:
+        old = before.get(t["node_id"])
+        if old is None or _step(old) != _step(t):
+            out.append({"kind": "fetch_progress", "detail": fetch_sentence(t["node_id"], t["source"], t["bytes_done"],
+                                                                           t["bytes_total"], t["mb_s"], t["eta_s"]),
+                        **{k: t[k] for k in ("node_id", "source", "bytes_done", "bytes_total", "mb_s", "eta_s")}})
+    return out
+
+
+def _step(t: Json) -> tuple[str, int]:
+    return fetch_step(str(t["source"]), int(t["bytes_done"]), int(t["bytes_total"]))
 
 
 def _placement_events(p0: Json | None, p1: Json | None, unmoved: Json | None) -> list[Json]:

@@ -33,8 +33,10 @@ import trio
 
 from p2pmesh.agent import models
 from p2pmesh.agent.ports import ClusterView, Inbox
-from p2pmesh.agent.tasks.peer_copy import PeerCopy
+from p2pmesh.agent.tasks import hub_share
+from p2pmesh.agent.tasks.peer_copy import Meter, PeerCopy
 from p2pmesh.core import stage_fetch
+from p2pmesh.core.node_io import FetchProgressed
 from p2pmesh.drivers import model_files
 
 log = logging.getLogger("p2pmesh.fetch")
@@ -44,13 +46,18 @@ FETCH_ATTEMPTS_MAX = stage_fetch.FETCH_ATTEMPTS_MAX
 BACKOFF_S = stage_fetch.BACKOFF_S
 """The planner's policy (core/stage_fetch.py says what each means), named here so a test may
 shorten it for this task."""
+REPORT_S = 0.5
+"""How often the fetch tells the core its progress (the core sends it on to every member)."""
 
 
-async def ensure_layers(copier: PeerCopy, model: str, layers: tuple[int, int] | None) -> Path:
+async def ensure_layers(copier: PeerCopy, model: str, layers: tuple[int, int] | None,
+                        needs: hub_share.Needs | None = None) -> Path:
     """The local directory holding what layers [start, end) of the model need (None: the
     layer a measurement times): this Mac's own directory when it has one; else a copy from
-    the other Macs (peer_copy.py, over Thunderbolt first); else, for a Hugging Face id, a
-    download of just those files, linked into the same copy directory."""
+    the other Macs (peer_copy.py, over Thunderbolt first); else, for a Hugging Face id, just
+    those files, each downloaded by one Mac of those that need it (``needs``: the
+    placement's stages; hub_share.py) and copied from it by the others, all linked into the
+    same copy directory."""
     local = models.located(model, copier.places.model_root)
     path = Path(local).expanduser()
     if path.is_dir():
@@ -63,13 +70,36 @@ async def ensure_layers(copier: PeerCopy, model: str, layers: tuple[int, int] | 
     if not model_files.is_hub_id(local):
         raise models.ModelError(f"no model directory at {local!r} on this Mac, no other Mac has it, "
                                 "and it is not a Hugging Face id")
-    if layers is None:
-        snapshot = await models.fetch_in_thread(lambda: model_files.fetch_for_measure(local), f"the measured layer of {model}")
-    else:
-        snapshot = await models.fetch_in_thread(lambda: model_files.fetch_layers(local, layers), f"layers {layers} of {model}")
-    dest = models.copy_dir(copier.places.state_dir, model)
-    await trio.to_thread.run_sync(models.link_snapshot, snapshot, dest)
-    return dest
+    return await hub_share.fetch_from_hub(copier, local, model, layers, needs)
+
+
+async def _run_job(copier: PeerCopy, inbox: Inbox, job: stage_fetch.FetchJob) -> models.ModelError | None:
+    """Fetch a job's files while reporting their progress; the error that ended it, if any."""
+    meter = copier.meter
+    meter.reset()
+    error: models.ModelError | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_report_progress, meter, inbox)
+        try:
+            await ensure_layers(copier, job.model, (job.start, job.end), [(n, (a, b)) for n, a, b in job.needs])
+        except models.ModelError as exc:
+            error = exc
+        nursery.cancel_scope.cancel()
+    _, total = meter.progress()
+    if error is None and total:
+        await inbox.put(FetchProgressed(meter.source, total, total))  # the end: every member sees it done
+    return error
+
+
+async def _report_progress(meter: Meter, inbox: Inbox) -> None:
+    """Tell the core this Mac's bytes done and in all every REPORT_S while there are bytes to
+    fetch (also when they do not move: a report not renewed goes stale, core/transfers.py).
+    Cancelled at the job's end."""
+    while True:  # for one job: cancelled when it ends
+        await trio.sleep(REPORT_S)
+        done, total = meter.progress()
+        if total:
+            await inbox.put(FetchProgressed(meter.source, done, total))
 
 
 async def fetch_loop(view: ClusterView, inbox: Inbox, copier: PeerCopy) -> None:
@@ -91,9 +121,8 @@ async def fetch_loop(view: ClusterView, inbox: Inbox, copier: PeerCopy) -> None:
             await view.changed(snapshot.version, timeout_s=planner.wake_in(trio.current_time()))
             continue
         started = trio.current_time()
-        try:
-            await ensure_layers(copier, job.model, (job.start, job.end))
-        except models.ModelError as exc:
+        exc = await _run_job(copier, inbox, job)
+        if exc is not None:
             failure = planner.failed(job, trio.current_time())
             if failure.report is None:
                 log.warning("epoch %d: cannot fetch layers %d-%d of %s (try %d of %d, again in %.0f s): %s",

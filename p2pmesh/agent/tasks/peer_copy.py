@@ -97,6 +97,50 @@ def _peers(state: ClusterState, me: NodeId) -> list[tuple[NodeId, list[tuple[str
     return out
 
 
+class Meter:
+    """This Mac's fetch of its stage's files, as its progress report counts it: bytes
+    arrived and in all of the files it had to copy ("peer") or download ("hub"). Written by
+    the copies (receive threads included) and read by the fetch task's reporter; plain ints
+    and a dict replaced whole, so a read never sees a half-made update."""
+
+    def __init__(self) -> None:
+        self.source = "peer"
+        self.planned: dict[str, int] = {}
+        """The files this fetch has to bring ("model: file" -> bytes; added as each list of
+        files is known, once per file whatever brings it)."""
+        self.finished = 0
+        """Bytes of the files that arrived whole."""
+        self.flying: dict[str, CopyProgress] = {}
+        """The files arriving now ("model: file" -> bytes done and in all)."""
+
+    def reset(self) -> None:
+        self.source, self.planned, self.finished, self.flying = "peer", {}, 0, {}
+
+    def plan(self, source: str, files: dict[str, int]) -> None:
+        """These files ("model: file" -> bytes) are to come from ``source`` (the latest
+        source names the fetch)."""
+        if files:
+            self.source = source
+            self.planned = {**self.planned, **files}
+
+    def start(self, key: str, size: int) -> CopyProgress:
+        progress = CopyProgress(total=size)
+        self.flying = {**self.flying, key: progress}
+        return progress
+
+    def end(self, key: str, ok: bool) -> None:
+        progress = self.flying.get(key)
+        self.flying = {k: v for k, v in self.flying.items() if k != key}
+        if ok and progress is not None:
+            self.finished += progress.total
+
+    def progress(self) -> tuple[int, int]:
+        """Bytes done and in all."""
+        done = self.finished + sum(c.done for c in self.flying.values())
+        total = sum(self.planned.values())
+        return min(done, total), total
+
+
 class PeerCopy:
     """This Mac's copies of models from the other Macs, one copy of a model at a time
     (measure and fetch could otherwise write the same file)."""
@@ -108,14 +152,13 @@ class PeerCopy:
         self.client_ctx = client_ctx
         self.over_tls = over_tls
         """The bytes travel inside TLS (--copy-over-tls) instead of a plain TCP data connection."""
-        self.copies: dict[str, CopyProgress] = {}
-        """The files being copied now ("model: file" -> bytes done and in all)."""
+        self.meter = Meter()
+        """This Mac's fetch, copies from the others and downloads from the hub (agent/tasks/hub_share.py)."""
         self._locks: dict[str, trio.Lock] = {}
 
     def progress(self) -> tuple[int, int]:
-        """Bytes done and in all of the files being copied now."""
-        copies = list(self.copies.values())
-        return sum(c.done for c in copies), sum(c.total for c in copies)
+        """Bytes done and in all of this Mac's fetch."""
+        return self.meter.progress()
 
     async def copy_layers(self, name: str, layers: tuple[int, int] | None) -> Path | None:
         """This Mac's copy of what layers [start, end) of the model need (None: the layer a
@@ -149,7 +192,7 @@ class PeerCopy:
         if not any("config.json" in files for _, _, files in listings):
             return None
         metadata = sorted({f for _, _, files in listings for f in files if not f.endswith(".safetensors")})
-        if not await _copy(dest, name, metadata, listings, self._fetcher(addresses)):
+        if not await _copy(dest, name, metadata, listings, self._fetcher(addresses), self.meter):
             return None
         try:
             weights = weights_for(dest, layers)
@@ -158,7 +201,7 @@ class PeerCopy:
         except (model_files.ModelFilesError, OSError, ValueError) as exc:
             log.warning("the copied metadata of %s is unusable: %s", name, exc)
             return None
-        if not weights or not await _copy(dest, name, weights, listings, self._fetcher(addresses)):
+        if not weights or not await _copy(dest, name, weights, listings, self._fetcher(addresses), self.meter):
             return None
         return dest
 
@@ -170,14 +213,17 @@ class PeerCopy:
             also = [Source(h, p, n) for n, _, s, d in holders if s == size and d == digest
                     for h, p in addresses.get(n, [])]
             key = f"{name}: {f}"
-            progress = self.copies[key] = CopyProgress(total=size)
+            progress = self.meter.start(key, size)
+            ok = False
             try:
-                return await fetch_file(target[0], target[1], self.client_ctx, node, name, f, dest, size_expected=size,
-                                        digest_expected=digest, over_tls=self.over_tls,
-                                        also=[s for s in also if s != Source(target[0], target[1], node)][: STRIPES_MAX - 1],
-                                        progress=progress)
+                got = await fetch_file(target[0], target[1], self.client_ctx, node, name, f, dest, size_expected=size,
+                                       digest_expected=digest, over_tls=self.over_tls,
+                                       also=[s for s in also if s != Source(target[0], target[1], node)][: STRIPES_MAX - 1],
+                                       progress=progress)
+                ok = True
+                return got
             finally:
-                del self.copies[key]
+                self.meter.end(key, ok)
 
         return fetch
 
@@ -189,7 +235,7 @@ Fetch = Callable[[str, str, Path, Holder, list[Holder]], Awaitable[tuple[int, st
 
 
 async def _copy(dest: Path, name: str, files: list[str], listings: list[tuple[NodeId, tuple[str, int], Listing]],
-                fetch: Fetch) -> bool:
+                fetch: Fetch, meter: Meter) -> bool:
     """Copy each file that is not here yet, COPIES_CONCURRENT at a time, each from the members
     that list it (the i-th file asks the i-th holder first, so several Macs share the work,
     and stripes it over the others; a failed copy resumes from what arrived with the next). Each file is checked against the digest its
@@ -197,6 +243,9 @@ async def _copy(dest: Path, name: str, files: list[str], listings: list[tuple[No
     which this Mac lists in turn. True when every file is here."""
     failed: list[str] = []
     slots = trio.Semaphore(COPIES_CONCURRENT)
+    sizes = {f: listed[f][0] for _, _, listed in reversed(listings) for f in files if f in listed}
+    meter.plan("peer", {f"{name}: {f}": n for f, n in sizes.items()
+                        if not ((dest / f).is_file() and (dest / f).stat().st_size == n)})
     verified = await trio.to_thread.run_sync(read_manifest, dest)
     manifest_lock = trio.Lock()
 

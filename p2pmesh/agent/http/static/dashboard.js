@@ -280,12 +280,22 @@
       const fetched = holders.filter((n) => pe.fetched.includes(n)).length;
       const ready = holders.filter((n) => pe.ready.includes(n)).length;
       const done = (fetched + ready) / (2 * holders.length || 1);
+      // Each Mac's copy or download of its files (status transfers: its latest report).
+      const moving = new Map((st.transfers || []).map((t) => [t.node_id, t]));
+      const files = (n) => {
+        const t = moving.get(n);
+        if (pe.fetched.includes(n)) return "✓ files";
+        if (!t) return "… files";
+        const left = t.eta_s === null ? "" : ` · ${Math.round(t.eta_s)} s left`;
+        return `… files ${mb(t.bytes_done)}/${mb(t.bytes_total)} MB from ${t.source === "hub" ? "the hub" : "peers"}` +
+          ` · ${t.mb_s} MB/s${left}`;
+      };
       pendingBox.append(h("div", { class: "group-title" },
         `moving to epoch ${pe.epoch}: ${fetched}/${holders.length} fetched, ${ready}/${holders.length} ready`),
         h("div", { class: "bar-track" }, h("div", { class: "bar-fill", style: `left:0;width:${(done * 100).toFixed(1)}%` })),
         h("div", { class: "progress" }, h("ul", {}, ...holders.map((n) => h("li", {},
           h("span", { class: "mono" }, short(n)), " ",
-          h("span", { class: pe.fetched.includes(n) ? "tick" : "wait" }, pe.fetched.includes(n) ? "✓ files" : "… files"), " ",
+          h("span", { class: pe.fetched.includes(n) ? "tick" : "wait" }, files(n)), " ",
           h("span", { class: pe.ready.includes(n) ? "tick" : "wait" }, pe.ready.includes(n) ? "✓ loaded" : "… loading"))))),
         ...stageRows(pe.stages, members, p.layer_bytes));
     }
@@ -293,6 +303,10 @@
       problem.hidden = false;
       problem.textContent = p.problem.message;
     }
+  }
+
+  function mb(bytes) {
+    return (bytes / 1e6).toFixed(1);
   }
 
   function stageRows(stages, members, layerBytes) {
