@@ -36,29 +36,9 @@ from p2pmesh.core.errors import LocalProtocolError, RemoteProtocolError
 from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.log import RaftLog
 from p2pmesh.core.messages import (
-    AddLearner,
-    Capabilities,
-    Drain,
-    Command,
-    Config,
-    Entry,
-    FetchReport,
-    ForwardProposal,
-    Header,
-    Hello,
-    JoinReply,
-    JoinRequest,
-    MarkDown,
-    MarkUp,
-    ModelInfo,
-    MESSAGE_TYPES,
-    Message,
-    Peer,
-    Promote,
-    RemovalNotice,
-    RemoveMember,
-    SetModel,
-    Snapshot,
+    AddLearner, Capabilities, Drain, Command, Config, Entry, FetchReport, ForwardProposal, Header, Hello,
+    JoinReply, JoinRequest, MarkDown, MarkUp, ModelInfo, MESSAGE_TYPES, Message, Peer, Promote, RemovalNotice,
+    RemoveMember, SetModel, Snapshot,
 )
 from p2pmesh.core.node_io import (  # the machine's inputs and outputs, importable from here too
     AddressesChanged,
