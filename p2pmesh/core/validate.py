@@ -165,9 +165,9 @@ LAYERS_MAX = 4096
 LAYER_MS_MAX = 1e6
 """A measured time per layer is below this (about 17 minutes: anything more is garbage)."""
 ADDRESSES_MAX = 32
+"""Control-plane addresses a member publishes (one per interface and family)."""
 MEASURE_ERROR_CHARS_MAX = 1000
 """A member's own reason it cannot load a model (the tail of its worker's error)."""
-"""Control-plane addresses a member publishes (one per interface and family)."""
 
 
 def model_problem(m: ModelInfo) -> str | None:
