@@ -129,10 +129,11 @@ def _wanted_stages(state: ClusterState) -> tuple[tuple[Stage, ...], int] | None:
 
 
 def planned_links(state: ClusterState) -> tuple[Link, ...]:
-    """The links between the serving members as the planner costs them: kind, Gb/s, the
-    probed round trip, and RDMA where both ends of a Thunderbolt cable have it (a tensor
-    group's all-reduce then costs JACCL's latency, not TCP's)."""
-    return tuple(Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms,
+    """The links between the serving members as the planner costs them: kind, Gb/s (a
+    network path's as measured: physical.Cable.planned_gbps), the probed round trip, and
+    RDMA where both ends of a Thunderbolt cable have it (a tensor group's all-reduce then
+    costs JACCL's latency, not TCP's)."""
+    return tuple(Link(c.a, c.b, c.kind, c.planned_gbps, c.rtt_ms,
                       rdma=bool(c.a_port and c.b_port and c.a_port.rdma and c.b_port.rdma))
                  for c in physical.cables(state, physical.serving(state)))
 
