@@ -266,6 +266,14 @@ def describe_hop(
     )
 
 
+def on_one_host(members: list[Member]) -> bool:
+    """Whether two of these members are agents on one machine: joined by no cable, their
+    first IPv4 transport addresses are loopback ones (127.0.0.0/8 reaches no other machine),
+    so the path between them is this host's loopback, and they share its cores."""
+    loopback = [m for m in members if (a := _first_ipv4(m)) is not None and ipaddress.IPv4Address(a).is_loopback]
+    return len(loopback) >= 2
+
+
 def _port_name(p: PortInfo | None) -> str:
     return p.interface if p is not None else ""
 

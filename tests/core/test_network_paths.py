@@ -98,3 +98,23 @@ def test_a_tensor_group_on_measured_loopback_paths_is_predicted_faster_than_on_d
     steps = 8 * 2 * 2
     assert default - measured > steps * (DEFAULT_RTT_MS["network"] - 0.12) / 2 * 0.9
     assert measured < default / 5
+
+
+def test_auto_keeps_agents_on_one_host_to_pipelines_and_asked_tensor_still_runs_there() -> None:
+    # Slow layers and fast measured paths: for two Macs the model rightly predicts a tensor
+    # group faster. Two agents on one host's loopback share its cores, which the model does
+    # not know: auto plans a pipeline (or one Mac) there; asked for, tensor is planned.
+    def state(address: str, parallelism: str) -> ClusterState:
+        members = tuple(replace(_member(i, LinkProbe(PATH_INTERFACE, _id(1 - i), 0.1, 3.0, 0.15)),
+                                addresses=(address.format(i + 2),), measure=Measure("tiny", 10**9, 5.0))
+                        for i in range(2))
+        return replace(_committed(_state(*members)), model=replace(MODEL, parallelism=parallelism))
+
+    def chosen(s: ClusterState) -> str:
+        p = dataplane.negotiate(s)
+        assert p is not None and not isinstance(p, SetRing) and hasattr(p, "stages")
+        return dataplane.parallelism(p.stages)  # type: ignore[union-attr]
+
+    assert chosen(state("10.0.0.{}:7741", "auto")) == "tensor"
+    assert chosen(state("127.0.0.{}:7741", "auto")) in ("single", "pipeline")
+    assert chosen(state("127.0.0.{}:7741", "tensor")) == "tensor"
