@@ -29,12 +29,16 @@ def ring_json(state: ClusterState) -> dict[str, Any]:
 def _hop_json(h: RingHop, state: ClusterState) -> dict[str, Any]:
     probes = _probes(h, state)
     rates = [p.gbps for p in probes if p.gbps > 0]
+    echoes = [p.echo_rtt_ms for p in probes if p.echo_rtt_ms > 0]
     return {
         "from": h.src,
         "to": h.dst,
         "kind": h.kind,
         "gbps": max(rates) if rates and h.kind == NETWORK_KIND else h.gbps,
         "rtt_ms": round(min(p.rtt_ms for p in probes), 3) if probes else h.rtt_ms,
+        # The round trip of an activation-sized echo: what the planner costs a hop and an
+        # all-reduce step at (core/physical.py), None where no probe echoed.
+        "echo_rtt_ms": round(min(echoes), 3) if echoes else None,
         "from_interface": h.src_interface,
         "to_interface": h.dst_interface,
         "from_ipv4": h.src_ipv4,

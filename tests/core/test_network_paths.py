@@ -49,7 +49,7 @@ def test_a_network_hop_is_costed_at_the_round_trip_and_rate_its_ends_measured() 
     (link,) = dataplane.planned_links(state)
     assert (link.kind, link.gbps, link.rtt_ms) == ("network", 3.5, 0.19)
     hops = ring_json(state)["hops"]
-    assert [(h["kind"], h["gbps"], h["rtt_ms"]) for h in hops] == [("network", 3.5, 0.07)] * 2
+    assert [(h["kind"], h["gbps"], h["rtt_ms"], h["echo_rtt_ms"]) for h in hops] == [("network", 3.5, 0.07, 0.19)] * 2
     assert all(h["from_interface"] is None for h in hops)
 
 
@@ -58,7 +58,7 @@ def test_without_a_path_probe_a_network_hop_keeps_the_kinds_defaults() -> None:
     state = _committed(_state(_member(0, LinkProbe("en5", _id(1), 0.05, 20.0, 0.1)), _member(1)))
     (link,) = dataplane.planned_links(state)
     assert (link.gbps, link.rtt_ms) == (physical.NOMINAL_GBPS["network"], None)
-    assert [(h["gbps"], h["rtt_ms"]) for h in ring_json(state)["hops"]] == [(0.1, None)] * 2
+    assert [(h["gbps"], h["rtt_ms"], h["echo_rtt_ms"]) for h in ring_json(state)["hops"]] == [(0.1, None, None)] * 2
 
 
 def test_measured_paths_never_move_the_ring() -> None:
