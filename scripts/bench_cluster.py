@@ -17,11 +17,12 @@ best of the runs. Ratio = measured / predicted (the cost model is good where it 
 by heads; a tensor plan needs a group of two or more Macs) is reported as such and skipped.
 Every parallelism must produce the same greedy tokens (checked).
 
-On a loopback cluster (two agents of this repo, scripts/demo's set-up) this runs too, but no
-cable joins the agents there, so no probe measures the path and the planner assumes a
-"network" hop's defaults (0.1 Gb/s, 5 ms round trip): its tensor predictions are then far too
-slow (the line "links:" says so). On Macs over Thunderbolt the probes measure every cable and
-this is the measurement docs/placement.md asks users for.
+On a loopback cluster (two agents of this repo, scripts/demo's set-up) this runs too: no cable
+joins the agents there, and they probe the path between their transport addresses instead
+(the line "links:" shows what was measured; give them ~20 s after they form, so the probe
+after the first, taken while they start, is the one the planner uses). Both agents share this
+host's cores there, which the cost model does not know (docs/placement.md). On Macs the probes
+measure every cable and path, and this is the measurement docs/placement.md asks users for.
 """
 from __future__ import annotations
 
@@ -58,13 +59,15 @@ def groups_text(placement: dict[str, Any]) -> str:
 
 
 def links_text(status: dict[str, Any]) -> str:
-    """The ring's hops as the planner saw them: kind, Gb/s and round trip, "unmeasured" where no
-    probe ran (a path with no known cable, e.g. loopback: the planner then assumes the kind's
-    defaults, core/ring.DEFAULT_RTT_MS, which are conservative on purpose)."""
+    """The ring's hops as the planner sees them: kind, Gb/s, ping round trip and that of an
+    activation-sized echo (what the planner costs), "unmeasured" where no probe ran yet (the
+    planner then assumes the kind's defaults, core/ring.DEFAULT_RTT_MS, conservative on
+    purpose)."""
     hops = (status.get("ring") or {}).get("hops") or []
-    seen = sorted({(h["kind"], h["gbps"], h.get("rtt_ms")) for h in hops}, key=str)
+    seen = sorted({(h["kind"], h["gbps"], h.get("rtt_ms"), h.get("echo_rtt_ms")) for h in hops}, key=str)
     return "; ".join(f"{kind} {gbps:g} Gb/s, " + (f"rtt {rtt:.3f} ms" if rtt is not None else "rtt unmeasured")
-                     for kind, gbps, rtt in seen) or "no hops"
+                     + (f", echo {echo:.3f} ms" if echo is not None else "")
+                     for kind, gbps, rtt, echo in seen) or "no hops"
 
 
 def main() -> int:

@@ -189,7 +189,7 @@ class Agent:
             listeners += await trio.open_tcp_listeners(port, host=host or None)
         bound_port = self.bound_port = listeners[0].socket.getsockname()[1]
         fixed = cfg.advertise or tuple(
-            f"{_split(a)[0]}:{l.socket.getsockname()[1]}" for a, l in zip(cfg.listen, listeners) if _split(a)[0] not in ("", "0.0.0.0", "::")
+            f"{_split(a)[0]}:{l.socket.getsockname()[1]}" for a, l in zip(cfg.listen, listeners) if _split(a)[0] not in _WILDCARDS
         )
         advertise = fixed or self.interface_advert(bound_port)
         server_ctx, client_ctx = self.credentials.contexts()
@@ -233,7 +233,8 @@ class Agent:
             copier = peer_copy.PeerCopy(view, self.places, client_ctx, over_tls=cfg.copy_over_tls)
             nursery.start_soon(links.watch_ports, inbox, cfg.interfaces)
             nursery.start_soon(links.probes, view, inbox, links.ProbeConfig(
-                bound_port + links.PROBE_PORT_OFFSET, *self.credentials.contexts()))
+                bound_port + links.PROBE_PORT_OFFSET, *self.credentials.contexts(),
+                transport_hosts=tuple(h for h in (_split(a)[0] for a in cfg.listen) if h not in _WILDCARDS)))
             nursery.start_soon(links.warn_bridges, view)
             nursery.start_soon(self.supervisor.run)
             nursery.start_soon(measure.measure_loop, view, inbox, copier,
@@ -561,6 +562,10 @@ def _generate_params(r: dict[str, Any]) -> GenerateParams:
 
 def _dial(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+_WILDCARDS = ("", "0.0.0.0", "::")
+"""Listen hosts that mean every address (``_split`` strips the brackets of "[::]")."""
 
 
 def _split(address: str) -> tuple[str, int]:

@@ -96,6 +96,13 @@ def _wanted_stages(state: ClusterState) -> tuple[tuple[Stage, ...], int] | None:
     serving = state.active if state.active else state.placement
     current = committed_plan(serving) if serving else None
     asked = model.parallelism if model.parallelism in PARALLELISM_CHOICES else "auto"
+    if asked == "auto" and physical.on_one_host(physical.serving(state)):
+        # The cost model gives each member its own compute; agents on one host (loopback)
+        # share its cores, so a tensor group there splits work that still runs on the same
+        # cores and adds its all-reduces: measured on loopback, 2-rank tensor 32-47 tok/s
+        # against one process's 39-41, while the model (rightly, for two Macs with these
+        # measured paths) predicts it faster. Auto plans pipelines there; asked, tensor runs.
+        asked = "pipeline"
 
     def plan_for(batch: int, on: tuple[NodeSpec, ...], parallelism: str) -> Plan | None:
         return _solve(fit.model_spec(model, batch), on, links, current, parallelism)
@@ -129,10 +136,11 @@ def _wanted_stages(state: ClusterState) -> tuple[tuple[Stage, ...], int] | None:
 
 
 def planned_links(state: ClusterState) -> tuple[Link, ...]:
-    """The links between the serving members as the planner costs them: kind, Gb/s, the
-    probed round trip, and RDMA where both ends of a Thunderbolt cable have it (a tensor
-    group's all-reduce then costs JACCL's latency, not TCP's)."""
-    return tuple(Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms,
+    """The links between the serving members as the planner costs them: kind, Gb/s (a
+    network path's as measured: physical.Cable.planned_gbps), the probed round trip, and
+    RDMA where both ends of a Thunderbolt cable have it (a tensor group's all-reduce then
+    costs JACCL's latency, not TCP's)."""
+    return tuple(Link(c.a, c.b, c.kind, c.planned_gbps, c.rtt_ms,
                       rdma=bool(c.a_port and c.b_port and c.a_port.rdma and c.b_port.rdma))
                  for c in physical.cables(state, physical.serving(state)))
 

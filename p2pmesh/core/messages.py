@@ -61,7 +61,8 @@ class PortInfo:
 @register(6)
 @dataclass(frozen=True, slots=True)
 class LinkProbe:
-    """What a bounded active probe measured over one of this node's ports to a peer."""
+    """What a bounded active probe measured over one of this node's ports to a peer, or
+    (``interface`` PATH_INTERFACE) over the path to a peer it has no known cable with."""
 
     interface: str
     peer: NodeId
@@ -70,6 +71,11 @@ class LinkProbe:
     echo_rtt_ms: float = 0.0
     """The round trip of an activation-sized message (drivers/probe.py's echo phase), what
     a pipeline hop or an all-reduce step pays; 0.0 when the peer's agent does not echo."""
+
+
+PATH_INTERFACE = ""
+"""LinkProbe.interface of a probe over the path the agents already reach each other by (the
+peer's transport address): what a "network" hop of the ring travels (core/physical.py)."""
 
 
 @register(7)

@@ -119,7 +119,8 @@ class PortsObserved:
 
 @dataclass(frozen=True, slots=True)
 class ProbesMeasured:
-    """Fresh results of the bounded link probes to cabled peers."""
+    """Fresh results of the bounded link probes: to cabled peers over their cables, to the
+    others over the path to their transport address (LinkProbe.interface PATH_INTERFACE)."""
 
     probes: tuple[LinkProbe, ...]
 

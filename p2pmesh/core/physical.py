@@ -8,14 +8,18 @@ committed state. From that state alone this module
 - adds an Ethernet or Wi-Fi link between two members whose ports of that kind share an
   IPv4 subnet;
 - adds a last-resort ``network`` link between members with no link at all (they reach each
-  other somehow: the control plane works), so a ring can always close, flagged slow;
+  other somehow: the control plane works), so a ring can always close, flagged slow; its
+  ends probe it over their transport addresses (LinkProbe over PATH_INTERFACE), and the
+  planner costs it at what they measured (``Cable.planned_gbps``, ``rtt_ms``);
 - solves the ring (core/ring.py) over the members that are up, and describes every hop
   with the interfaces and IPv4 addresses the data plane will use.
 
 It is a pure function of the committed state, so every node derives the same graph; only
 the leader proposes, and only when the ring's *identity* (order, links and addresses)
 differs from the committed one. Measured RTTs are carried for display but never cause a new
-epoch: an epoch change restarts the data-plane workers, which noise must not do.
+epoch: an epoch change restarts the data-plane workers, which noise must not do. For the same
+reason the ring solver sees a network path's kind defaults, never its measurement: Macs on
+one switch all have the same path, and a solve on noisy figures would reorder their ring.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.messages import ClusterState, Member, PortInfo, RingHop, SetRing
+from p2pmesh.core.messages import PATH_INTERFACE, ClusterState, Member, PortInfo, RingHop, SetRing
 from p2pmesh.core.ring import KINDS, Link, Ring, RingError, solve_steps
 
 NETWORK_KIND = "network"
@@ -54,6 +58,15 @@ class Cable:
 
     def end(self, node: NodeId) -> PortInfo | None:
         return self.a_port if node == self.a else self.b_port
+
+    @property
+    def planned_gbps(self) -> float:
+        """The Gb/s the planner costs: the ports' speed for a cable (a probe's 1 MiB burst
+        cannot tell 10 from 40 Gb/s), the measured rate for a network path (no port says its
+        speed, and NOMINAL_GBPS's guess is 10-100x off on a LAN or loopback)."""
+        if self.kind == NETWORK_KIND and self.measured_gbps is not None and self.measured_gbps > 0:
+            return self.measured_gbps
+        return self.gbps
 
 
 def serving(state: ClusterState) -> list[Member]:
@@ -122,16 +135,17 @@ def _lan_rank(c: Cable) -> tuple[int, float, str, str]:
 
 
 def _with_probes(c: Cable, by_id: dict[NodeId, Member]) -> Cable:
-    """Attach the probe results either end measured over this cable (the best of both). The
-    cable's latency is the round trip of an activation-sized message where a probe measured
-    one (what the data plane pays per hop and per all-reduce step), else of a ping."""
+    """Attach the probe results either end measured over this cable, or over the transport
+    path for a network link (the best of both). The cable's latency is the round trip of an
+    activation-sized message where a probe measured one (what the data plane pays per hop
+    and per all-reduce step), else of a ping."""
     pings: list[float] = []
     echoes: list[float] = []
     rates: list[float] = []
     for node, other in ((c.a, c.b), (c.b, c.a)):
         port = c.end(node)
         for probe in by_id[node].probes:
-            if probe.peer == other and (port is None or probe.interface == port.interface):
+            if probe.peer == other and probe.interface == (port.interface if port is not None else PATH_INTERFACE):
                 pings.append(probe.rtt_ms)
                 echoes += [probe.echo_rtt_ms] if probe.echo_rtt_ms > 0 else []
                 rates.append(probe.gbps)
@@ -183,7 +197,8 @@ def plan_ring_steps(state: ClusterState) -> Generator[None, None, RingPlan | Non
     links = cables(state, members)
     nodes = [m.node_id for m in members]
     try:
-        ring = yield from solve_steps(nodes, [Link(c.a, c.b, c.kind, c.gbps, c.rtt_ms) for c in links],
+        ring = yield from solve_steps(nodes, [Link(c.a, c.b, c.kind, c.gbps, None if c.kind == NETWORK_KIND else c.rtt_ms)
+                                              for c in links],
                                       slice_steps=NEGOTIATE_SLICE_STEPS)
     except RingError:
         return None  # cannot happen with network links; never propose nonsense
@@ -241,7 +256,7 @@ def describe_hop(
         src=src,
         dst=dst,
         kind=cable.kind,
-        gbps=cable.gbps,
+        gbps=cable.planned_gbps,
         rtt_ms=cable.rtt_ms,
         src_interface=sp.interface if sp else None,
         dst_interface=dp.interface if dp else None,
@@ -249,6 +264,14 @@ def describe_hop(
         dst_ipv4=pair[1] if pair else None,
         rdma=bool(sp and dp and sp.rdma and dp.rdma),
     )
+
+
+def on_one_host(members: list[Member]) -> bool:
+    """Whether two of these members are agents on one machine: joined by no cable, their
+    first IPv4 transport addresses are loopback ones (127.0.0.0/8 reaches no other machine),
+    so the path between them is this host's loopback, and they share its cores."""
+    loopback = [m for m in members if (a := _first_ipv4(m)) is not None and ipaddress.IPv4Address(a).is_loopback]
+    return len(loopback) >= 2
 
 
 def _port_name(p: PortInfo | None) -> str:

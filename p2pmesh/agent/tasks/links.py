@@ -7,15 +7,17 @@ changes; none of them touches the Machine. Only what watches the outside world k
 period (ports, addresses, the periodic probe).
 - watch_ports: polls the link watcher (sysfs on Linux: cheap, every 0.25 s, so a pulled
   cable reaches the ring within the 1 s target; system_profiler on macOS: slow, every 3 s);
-- probes: serves the bounded probe protocol on this Mac's Thunderbolt addresses only (never
-  on other interfaces), and probes every cabled peer after each ring change and then every
-  PROBE_PERIOD_S;
+- probes: serves the bounded probe protocol on this Mac's Thunderbolt addresses and on its
+  transport addresses (never on other interfaces), and probes every cabled peer over its
+  cable, and every peer joined by no known cable (a "network" hop) over the address the
+  data plane reaches it at, after each ring change and then every PROBE_PERIOD_S;
 - warn_bridges: after each ring epoch, warns when a bridge joins this Mac's ring cables;
 - configure_links: after each ring epoch, adds the planned /30 addresses for this Mac's ring
   cables (p2pmesh links plan shows the same commands).
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import ssl
 import sys
@@ -27,7 +29,7 @@ import trio
 from p2pmesh.agent.ports import ClusterView, Inbox, Snapshot
 from p2pmesh.core import physical
 from p2pmesh.core.ids import NodeId
-from p2pmesh.core.messages import ClusterState, LinkProbe, PortInfo
+from p2pmesh.core.messages import PATH_INTERFACE, ClusterState, LinkProbe, Member, PortInfo
 from p2pmesh.core.node_io import AddressesChanged, PortsObserved, ProbesMeasured
 from p2pmesh.core.validate import PORTS_MAX
 
@@ -37,9 +39,18 @@ WATCH_PERIOD_S = 3.0 if sys.platform == "darwin" else 0.25
 ADDRESS_PERIOD_S = 1.0
 """How often the interface addresses are listed (getifaddrs: cheap, no tool run)."""
 PROBE_PERIOD_S = 60.0
+PROBE_SETTLE_S = 15.0
+"""A ring change is probed at once and again this long after: the first round runs while
+agents start, workers restart and load weights, and a path probed through a busy event loop
+reads slow (2.9 ms instead of 0.15 ms for a loopback round trip, measured here)."""
+PROBE_RETRY_S = 5.0
+PROBE_RETRIES = 3
+"""A probe that failed (the peer's listener not up yet: it joined this very epoch) is tried
+again after PROBE_RETRY_S, at most PROBE_RETRIES times per ring epoch, not a period later."""
 PROBE_PORT_OFFSET = 1
-"""Probes listen on the agent's port + 1, on Thunderbolt addresses only."""
+"""Probes listen on the agent's port + 1, on Thunderbolt and transport addresses only."""
 PROBE_TARGETS_MAX = 16
+"""Of each sort (cables, paths): PROBES_MAX (core/validate.py) bounds what one node publishes."""
 
 
 async def watch_ports(inbox: Inbox, interfaces: tuple[str, ...]) -> None:
@@ -102,8 +113,45 @@ def _my_cables(state: ClusterState, me: NodeId) -> list[tuple[str, str, str]]:
     return out[:PROBE_TARGETS_MAX]
 
 
-def _my_probe_hosts(snapshot: Snapshot) -> set[str]:
-    return {addr.split("/")[0] for p in snapshot.ports if p.kind == "thunderbolt" and p.up for addr in p.ipv4}
+def _my_paths(state: ClusterState, me: NodeId) -> list[tuple[NodeId, str, int]]:
+    """(peer node id, its IPv4, its probe port) for every peer joined to this Mac by no known
+    cable: probed at the first IPv4 transport address it publishes, the one a network hop
+    of the data plane uses (core/physical.describe_hop), at that address's port + 1."""
+    by_id = {m.node_id: m for m in state.members}
+    out = []
+    for c in physical.cables(state, physical.serving(state)):
+        if c.kind != physical.NETWORK_KIND or me not in (c.a, c.b):
+            continue
+        peer = c.b if c.a == me else c.a
+        target = _ipv4_transport(by_id[peer])
+        if target is not None:
+            out.append((peer, target[0], target[1] + PROBE_PORT_OFFSET))
+    return out[:PROBE_TARGETS_MAX]
+
+
+def _ipv4_transport(m: Member) -> tuple[str, int] | None:
+    for address in m.addresses:
+        host, _, port = address.rpartition(":")
+        try:
+            return str(ipaddress.IPv4Address(host)), int(port)
+        except ValueError:
+            continue
+    return None
+
+
+def _my_probe_hosts(snapshot: Snapshot, transport_hosts: tuple[str, ...]) -> set[str]:
+    """This Mac's Thunderbolt addresses and its transport addresses: the explicit listen
+    hosts, or (listening on every address) the addresses it publishes, which peers dial."""
+    hosts = {addr.split("/")[0] for p in snapshot.ports if p.kind == "thunderbolt" and p.up for addr in p.ipv4}
+    if transport_hosts:
+        return hosts | set(transport_hosts)
+    state = snapshot.state
+    mine = next((m for m in state.members if m.node_id == snapshot.node_id), None) if state is not None else None
+    for address in mine.addresses if mine is not None else ():
+        host = address.rpartition(":")[0].strip("[]")
+        if host:
+            hosts.add(host)
+    return hosts
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,18 +162,23 @@ class ProbeConfig:
     port: int
     server_ctx: ssl.SSLContext
     client_ctx: ssl.SSLContext
+    transport_hosts: tuple[str, ...] = ()
+    """The hosts the agent's transport listens on explicitly; empty when it listens on every
+    address (probes then listen on the addresses this Mac publishes, never the wildcard)."""
 
 
 async def probes(view: ClusterView, inbox: Inbox, config: ProbeConfig) -> None:
-    """Serve probes on this Mac's Thunderbolt addresses and probe its cabled peers: after
-    every ring change, and every PROBE_PERIOD_S (a link's speed changes outside the
-    cluster's knowledge: the period is why this task has a timeout)."""
-    from p2pmesh.drivers.probe import ProbeError, probe, serve_probes
+    """Serve probes on this Mac's Thunderbolt and transport addresses and probe its peers
+    (cables and network paths): after every ring change, and every PROBE_PERIOD_S (a link's
+    speed changes outside the cluster's knowledge: the period is why this task has a
+    timeout)."""
+    from p2pmesh.drivers.probe import serve_probes
 
     port, server_ctx, client_ctx = config.port, config.server_ctx, config.client_ctx
     serving: dict[str, trio.CancelScope] = {}
     last_epoch = -1
-    last_probe = -PROBE_PERIOD_S
+    next_probe = 0.0
+    retries = 0
 
     async def serve_one(host: str, scope: trio.CancelScope) -> None:
         with scope:
@@ -137,7 +190,7 @@ async def probes(view: ClusterView, inbox: Inbox, config: ProbeConfig) -> None:
     async with trio.open_nursery() as nursery:
         while True:  # for the agent's lifetime
             snapshot = view.current
-            hosts = _my_probe_hosts(snapshot)
+            hosts = _my_probe_hosts(snapshot, config.transport_hosts)
             for host in set(serving) - hosts:
                 serving.pop(host).cancel()
             for host in hosts - set(serving):
@@ -145,20 +198,37 @@ async def probes(view: ClusterView, inbox: Inbox, config: ProbeConfig) -> None:
                 nursery.start_soon(serve_one, host, serving[host])
             state = snapshot.state
             epoch = state.ring_epoch if state is not None else 0
-            now = trio.current_time()
-            if epoch != last_epoch or now - last_probe >= PROBE_PERIOD_S:
-                last_epoch, last_probe = epoch, now
-                results: list[LinkProbe] = []
-                for interface, peer, peer_ip in _my_cables(state, snapshot.node_id) if state is not None else ():
-                    try:
-                        r = await probe(peer_ip, port, client_ctx, peer, timeout_s=3.0)
-                    except ProbeError as exc:
-                        log.info("probe of %s over %s failed: %s", peer[:8], interface, exc)
-                        continue
-                    results.append(LinkProbe(interface, peer, round(r.rtt_ms, 3), round(r.gbps, 2), round(r.echo_rtt_ms, 3)))
+            if epoch != last_epoch or trio.current_time() >= next_probe:
+                fresh = epoch != last_epoch
+                if fresh:
+                    last_epoch, retries = epoch, 0
+                results, tried = await _probe_round(state, snapshot.node_id, port, client_ctx) if state else ([], 0)
+                retries = retries + 1 if len(results) < tried else 0
+                wait = (PROBE_RETRY_S if 0 < retries <= PROBE_RETRIES else PROBE_SETTLE_S if fresh else PROBE_PERIOD_S)
+                next_probe = trio.current_time() + wait
                 if results or snapshot.probes:
                     await inbox.put(ProbesMeasured(tuple(results)))
-            await view.changed(snapshot.version, timeout_s=max(0.0, last_probe + PROBE_PERIOD_S - trio.current_time()))
+            await view.changed(snapshot.version, timeout_s=max(0.0, next_probe - trio.current_time()))
+
+
+async def _probe_round(state: ClusterState, me: NodeId, port: int,
+                       client_ctx: ssl.SSLContext) -> tuple[list[LinkProbe], int]:
+    """Probe each cable at the peer's end of it and each network path at the peer's
+    transport address, one after the other (so they do not slow each other): the results,
+    and how many were tried."""
+    from p2pmesh.drivers.probe import ProbeError, probe
+
+    targets = [(i, peer, ip, port) for i, peer, ip in _my_cables(state, me)]
+    targets += [(PATH_INTERFACE, peer, ip, p) for peer, ip, p in _my_paths(state, me)]
+    results: list[LinkProbe] = []
+    for interface, peer, host, peer_port in targets:
+        try:
+            r = await probe(host, peer_port, client_ctx, peer, timeout_s=3.0)
+        except ProbeError as exc:
+            log.info("probe of %s over %s failed: %s", peer[:8], interface or f"the path to {host}", exc)
+            continue
+        results.append(LinkProbe(interface, peer, round(r.rtt_ms, 3), round(r.gbps, 2), round(r.echo_rtt_ms, 3)))
+    return results, len(targets)
 
 
 async def _ring_epochs(view: ClusterView) -> AsyncIterator[tuple[Snapshot, ClusterState]]:
