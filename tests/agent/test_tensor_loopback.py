@@ -80,6 +80,22 @@ def _worker_pids(agent: AgentProc, rank: int) -> list[int]:
     return out
 
 
+def _generate_killing(via: AgentProc, victim: AgentProc, rank: int) -> tuple[list[int], dict[str, Any], list[int]]:
+    """Generate TOKENS through ``via``, SIGKILLing ``victim``'s worker of ``rank`` after 2 tokens."""
+    killed, victims = threading.Event(), []
+
+    def on_token(count: int) -> None:
+        if count >= 2 and not killed.is_set():
+            killed.set()
+            victims.extend(_worker_pids(victim, rank))
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+
+    tokens, last = _generate(via, TOKENS, on_token)
+    assert killed.is_set(), "the generation ended before the kill"
+    return tokens, last, victims
+
+
 @pytest.fixture
 def two_agents(tmp_path: Path, shaped_model: Path) -> Any:
     with formed_cluster(_agents(tmp_path, 2, [1 << 32] * 2), FORM_TIMEOUT_S) as agents:
@@ -117,43 +133,18 @@ def test_tensor_serves_the_greedy_tokens_and_survives_a_killed_rank(two_agents: 
     tokens, last = _generate(a, 24)
     assert tokens == reference[:24] and last["finish"] == "length"
 
-    # SIGKILL the non-head rank's worker after a few tokens: a new epoch, the same tokens.
-    member = two_agents[ids.index(p["stages"][1]["node_id"])]
-    epoch, killed, victims = p["epoch"], threading.Event(), []
-
-    def on_token(count: int) -> None:
-        if count >= 2 and not killed.is_set():
-            killed.set()
-            victims.extend(_worker_pids(member, 1))
-            for pid in victims:
-                os.kill(pid, signal.SIGKILL)
-
-    tokens, last = _generate(a, TOKENS, on_token)
-    assert killed.is_set() and len(victims) == 1 and last["finish"] == "length", (victims, last)
-    assert tokens == reference
-    assert _status(a)["requests_resumed"] >= 1  # it really moved epochs
-    p = wait_for(lambda: _serving_as(a, ("tensor",)), SERVE_TIMEOUT_S, "a tensor group serving again")
-    assert p["epoch"] > epoch
-
-    # Now the head rank (rank 0: it samples and streams the tokens) SIGKILLed mid-generation:
-    # again a new epoch and the same tokens, the ones already streamed not repeated.
-    head = two_agents[ids.index(p["stages"][0]["node_id"])]
-    epoch, resumed = p["epoch"], _status(b)["requests_resumed"]  # b routes this one
-    killed, victims = threading.Event(), []
-
-    def on_head_token(count: int) -> None:
-        if count >= 2 and not killed.is_set():
-            killed.set()
-            victims.extend(_worker_pids(head, 0))
-            for pid in victims:
-                os.kill(pid, signal.SIGKILL)
-
-    tokens, last = _generate(b, TOKENS, on_head_token)
-    assert killed.is_set() and len(victims) == 1 and last["finish"] == "length", (victims, last)
-    assert tokens == reference
-    assert _status(b)["requests_resumed"] > resumed
-    p = wait_for(lambda: _serving_as(a, ("tensor",)), SERVE_TIMEOUT_S, "a tensor group serving after the head died")
-    assert p["epoch"] > epoch
+    # SIGKILL the non-head rank's worker after a few tokens, then the head rank's (rank 0: it
+    # samples and streams the tokens), each through another agent: each time a new epoch and
+    # the same tokens, the ones already streamed not repeated.
+    for via, rank in ((a, 1), (b, 0)):
+        victim_agent = two_agents[ids.index(p["stages"][rank]["node_id"])]
+        epoch, resumed = p["epoch"], _status(via)["requests_resumed"]
+        tokens, last, victims = _generate_killing(via, victim_agent, rank)
+        assert len(victims) == 1 and last["finish"] == "length", (rank, victims, last)
+        assert tokens == reference, rank
+        assert _status(via)["requests_resumed"] > resumed  # it really moved epochs
+        p = wait_for(lambda: _serving_as(a, ("tensor",)), SERVE_TIMEOUT_S, f"a tensor group serving after rank {rank} died")
+        assert p["epoch"] > epoch
 
     # The same agents as a pipeline (or one Mac): the same greedy tokens.
     _load(a, shaped_model, "pipeline")
