@@ -458,8 +458,10 @@ def _probe(interface: str, addrs: list[str], window_s: float, token: str) -> tup
         zcs.append(Zeroconf(interfaces=bind, ip_version=version))
         ServiceBrowser(zcs[1], [DOCTOR_SERVICE_TYPE, advert.SERVICE_TYPE], handlers=[on_change])
         seen.wait(max(0.0, deadline - time.monotonic()))
-        # Other agents answer the browser's first query within about a second.
-        time.sleep(max(0.0, min(deadline, started + MDNS_PEER_WAIT_S) - time.monotonic()))
+        # Other agents answer the browser's first query within about a second of it; on a
+        # busy machine our own answer may come late, so the wait counts from it.
+        heard = seen_at[0] if seen_at else started
+        time.sleep(max(0.0, min(deadline, heard + MDNS_PEER_WAIT_S) - time.monotonic()))
         for name in list(peers):
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms < 50:
