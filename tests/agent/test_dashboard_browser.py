@@ -113,6 +113,13 @@ def _formed(agents: list[AgentProc]) -> dict[str, Any] | None:
     return s if len(ring.get("order") or ()) == len(agents) else None
 
 
+def _text(driver: Any, css: str) -> str:
+    """The text of the first element matching ``css``, read in one script: the page redraws
+    its live parts on every status event, so an element found in one call may be gone by
+    the next (selenium's stale element)."""
+    return driver.execute_script("const e = document.querySelector(arguments[0]); return e ? e.textContent : '';", css)
+
+
 def _nodes(driver: Any) -> dict[str, dict[str, str]]:
     """The Macs the picture shows: node id -> their data attributes."""
     return driver.execute_script("""
@@ -135,17 +142,17 @@ def test_the_dashboard_shows_the_cluster_live_and_chats(browser: Any, agents: li
     shown = wait_for(lambda: (n := _nodes(driver)) and set(n) == set(ids) and n, PAGE_TIMEOUT_S, "the 3 Macs in the picture")
     assert all(v["up"] == "true" and v["inRing"] == "true" for v in shown.values()), shown
     assert "leader" in shown[formed["leader"]]["cls"]
-    assert driver.find_element(By.ID, "link").text == "live"
-    assert "this Mac" in driver.find_element(By.CSS_SELECTOR, f'#topology g.node[data-node-id="{ids[0]}"]').text
+    assert _text(driver, "#link").strip() == "live"
+    assert "this Mac" in _text(driver, f'#topology g.node[data-node-id="{ids[0]}"]')
 
     # A model: the placement and the event log follow the cluster.
     from p2pmesh.client import Client
 
     Client(agents[0].state_dir / "agent.sock").set_model(model, context_tokens=CONTEXT)
-    wait_for(lambda: " · serving · " in driver.find_element(By.ID, "model").text, SERVE_TIMEOUT_S,
+    wait_for(lambda: " · serving · " in _text(driver, "#model"), SERVE_TIMEOUT_S,
              "the page showing the model serving")
     assert driver.find_elements(By.CSS_SELECTOR, "#stages .stage"), "no stage drawn"
-    kinds = {e.get_attribute("data-kind") for e in driver.find_elements(By.CSS_SELECTOR, "#log li")}
+    kinds = set(driver.execute_script("return [...document.querySelectorAll('#log li')].map((e) => e.dataset.kind)"))
     assert {"plan_committed", "plan_activated"} <= kinds, kinds
 
     # A chat message streams a reply into the chat panel (counted: more than one update).
@@ -172,7 +179,7 @@ def test_the_dashboard_shows_the_cluster_live_and_chats(browser: Any, agents: li
     shots = _screenshots(driver, tmp_path)
     wait_for(lambda: (n := _nodes(driver)) and n.get(victim, {}).get("inRing") != "true"
              and sum(v["inRing"] == "true" for v in n.values()) == 2, FORM_TIMEOUT_S, "the killed Mac out of the ring")
-    kinds = {e.get_attribute("data-kind") for e in driver.find_elements(By.CSS_SELECTOR, "#log li")}
+    kinds = set(driver.execute_script("return [...document.querySelectorAll('#log li')].map((e) => e.dataset.kind)"))
     assert {"member_down", "ring_changed"} <= kinds, kinds
     for shot in shots:
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
