@@ -42,13 +42,15 @@ from p2pmesh.drivers.files import serve_files
 from tests.drivers.test_probe import Member
 sys.path.insert(0, sys.argv[3])
 from bench_copy import tcp_serve
-src = Path(sys.argv[1]); port = int(sys.argv[2])
+src = Path(sys.argv[1]); port = int(sys.argv[2]); hosts = sys.argv[4].split(",")
 member = Member()
 async def main():
     async with trio.open_nursery() as nursery:
-        listeners = await trio.open_tcp_listeners(port, host="0.0.0.0")
+        # Bound to this namespace's cable addresses only, never a wildcard.
+        listeners = [l for h in hosts for l in await trio.open_tcp_listeners(port, host=h)]
+        plain = [l for h in hosts for l in await trio.open_tcp_listeners(port + 1, host=h)]
         await nursery.start(serve_files, listeners, member.server_ctx, lambda name: src.parent)
-        nursery.start_soon(trio.serve_tcp, lambda stream: tcp_serve(src, stream), port + 1)
+        nursery.start_soon(trio.serve_listeners, lambda stream: tcp_serve(src, stream), plain)
         print(member.node_id, flush=True)
 trio.run(main)
 """
@@ -94,7 +96,7 @@ def measure(src: Path, cables: int, runs: int, cable_mbit: int | None) -> dict[s
             for cable in plugged:
                 _shape(cable, cable_mbit)
         hosts = ",".join(c.addr_a for c in plugged)
-        server = subprocess.Popen([*bench.exec_prefix(0), sys.executable, "-c", SERVER, str(src), str(PORT), scripts],
+        server = subprocess.Popen([*bench.exec_prefix(0), sys.executable, "-c", SERVER, str(src), str(PORT), scripts, hosts],
                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         assert server.stdout is not None
         node = server.stdout.readline().strip()
