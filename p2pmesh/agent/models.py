@@ -70,14 +70,14 @@ def read_config(path: Path) -> dict[str, Any]:
 def describe(name: str, path: Path, context_tokens: int, batch: int = 1, parallelism: str = "auto",
              kv_bits: int = 0) -> ModelInfo:
     """What the planner needs to know about a model (core/model_spec.py does the sums)."""
-    from p2pmesh.core.config_shape import kv_quantizable
+    from p2pmesh.core.config_shape import kv_quant_problem
     from p2pmesh.core.model_spec import ModelSpecError, model_spec
 
     try:
         config = read_config(path)
-        if kv_bits and not kv_quantizable(config, str(config.get("model_type", ""))):
-            raise KvBitsUnsupported(f"{name}: its KV cache ({config.get('model_type')}: MLA latent or attention sinks) "
-                                    "cannot be quantized by mlx-lm; load it without kv_bits")
+        if kv_bits and (problem := kv_quant_problem(config)) is not None:
+            raise KvBitsUnsupported(f"{name}: its KV cache cannot be quantized by mlx-lm ({problem}); "
+                                    "load it without kv_bits")
         # The KV cache at this context: a sliding layer holds its window only (core/config_shape.py).
         n = model_spec(config, model_files.tensor_bytes(name, path), context_tokens=context_tokens)
     except ModelSpecError as exc:

@@ -100,11 +100,27 @@ def cache_layout(c: Mapping[str, Any], model_type: str, layers: int) -> list[tup
     return [(elements, w) for w in windows(c, model_type, layers)]
 
 
+KV_SINK_FAMILIES = frozenset({"gpt_oss", "deepseek_v41", "mimo_v2_flash"})
+"""mlx-lm families whose attention has sinks (quantized_scaled_dot_product_attention refuses them)."""
+
+
+def kv_quant_problem(config: Mapping[str, Any]) -> str | None:
+    """Why mlx-lm cannot quantize any of this model's caches (`load --kv-bits`), or None:
+    MLA's latent cache (its attention reads the latent itself) or an attention with sinks.
+    The agent refuses kv_bits for such a model; the worker says the same if asked anyway."""
+    text = config.get("text_config", config)
+    family = str(text.get("model_type") or config.get("model_type") or "")
+    if text.get("kv_lora_rank") or config.get("kv_lora_rank"):
+        return f"{family} caches MLA's compressed latent, which its attention reads with plain matmuls"
+    if family in KV_SINK_FAMILIES or config.get("model_type") in KV_SINK_FAMILIES:
+        return f"{family}'s attention has sinks, which mlx-lm's quantized attention does not support"
+    return None
+
+
 def kv_quantizable(c: Mapping[str, Any], model_type: str) -> bool:
-    """Whether mlx-lm can quantize this family's full-attention caches (`load --kv-bits`,
-    core/kv_quant.py): not MLA's latent cache (its attention reads the latent itself) nor an
-    attention with sinks (gpt-oss); a sliding layer's rotating cache never is."""
-    return not c.get("kv_lora_rank") and model_type != "gpt_oss"
+    """Whether mlx-lm can quantize this family's full-attention caches (kv_quant_problem; a
+    sliding layer's rotating cache never is)."""
+    return kv_quant_problem({**c, "model_type": model_type}) is None
 
 
 def kv_bytes(layout: Sequence[tuple[int, int]], context_tokens: int, dtype_bytes: int) -> int:

@@ -29,10 +29,8 @@ from typing import Any
 
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from p2pmesh.core.config_shape import kv_quant_problem
 from p2pmesh.core.kv_quant import KV_GROUP_SIZE, QUANTIZED_KV_START
-
-SINK_FAMILIES = frozenset({"gpt_oss", "deepseek_v41", "mimo_v2_flash"})
-"""mlx-lm families whose attention has sinks (quantized_scaled_dot_product_attention refuses them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,17 +41,6 @@ class KVQuant:
     bits: int
     group_size: int = KV_GROUP_SIZE
     start: int = QUANTIZED_KV_START
-
-
-def model_problem(config: Mapping[str, Any]) -> str | None:
-    """Why none of this model's caches can be quantized (config.json), or None."""
-    text = config.get("text_config", config)
-    family = str(text.get("model_type") or config.get("model_type") or "")
-    if text.get("kv_lora_rank") or config.get("kv_lora_rank"):
-        return f"{family} caches MLA's compressed latent, which its attention reads with plain matmuls"
-    if family in SINK_FAMILIES or config.get("model_type") in SINK_FAMILIES:
-        return f"{family}'s attention has sinks, which mlx-lm's quantized attention does not support"
-    return None
 
 
 def _ready(cache: Any, quant: KVQuant) -> bool:
@@ -81,7 +68,7 @@ def setup(bits: int | None, caches: Sequence[Any], config: Mapping[str, Any]) ->
     quantized and what stays at full precision (None without bits)."""
     if not bits:
         return None, None
-    problem = model_problem(config)
+    problem = kv_quant_problem(config)
     if problem is not None:
         return None, f"kv_bits {bits}: every KV cache stays at full precision: {problem}"
     quant = KVQuant(bits)
