@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -49,16 +50,14 @@ Needs = Sequence[tuple[NodeId, "tuple[int, int] | None"]]
 """Who needs which layers' files, in rank order (None: the measured layer)."""
 
 
-def _plan(copier: PeerCopy, dest: Path, needs: Needs | None) -> dict[str, NodeId]:
-    """The downloader of each file, among the members that are up (blocking: reads the
-    model's config and index)."""
+def _plan(copier: PeerCopy, config: dict[str, Any], wm: dict[str, str], needs: Needs | None) -> dict[str, NodeId]:
+    """The downloader of each file, among the members that are up now (``config`` and
+    ``wm``: the model's config.json and weight map, read once)."""
     snapshot = copier.view.current
     state = snapshot.state
     up = {m.node_id for m in state.members if m.up} if state is not None else {snapshot.node_id}
     if needs is None:  # a measurement: every member needs the measured layer
         needs = [(n, None) for n in sorted(up)]
-    config = model_files.read_config(dest)
-    wm = model_files.weight_map(dest) or {}
     files = []
     for node, layers in needs:
         if node in up:
@@ -84,13 +83,18 @@ async def fetch_from_hub(copier: PeerCopy, repo_id: str, name: str, layers: tupl
         await trio.to_thread.run_sync(models.link_snapshot, snapshot, dest)
         return dest
     me = copier.view.current.node_id
+    try:
+        config = await trio.to_thread.run_sync(model_files.read_config, dest)
+        wm = await trio.to_thread.run_sync(model_files.weight_map, dest) or {}
+    except (model_files.ModelFilesError, OSError, ValueError) as exc:
+        raise models.ModelError(f"the metadata of {name} is unusable: {exc}") from None
     deadline = trio.current_time() + WAIT_S
     wait = POLL_S[0]
     for _ in range(ROUNDS_MAX):
         missing = [f for f in weights if not (dest / f).is_file()]
         if not missing:
             return dest
-        plan = await trio.to_thread.run_sync(_plan, copier, dest, needs)
+        plan = _plan(copier, config, wm, needs)
         late = trio.current_time() >= deadline
         mine = [f for f in missing if plan.get(f, me) == me or late]
         if mine:
