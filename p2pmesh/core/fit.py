@@ -160,6 +160,15 @@ def planned_nodes(state: ClusterState) -> list[NodeSpec]:
             if isinstance(m.measure, Measure) and m.measure.model == name]
 
 
+def measurements_awaited(state: ClusterState) -> bool:
+    """Some candidate measured the committed model and another has not answered yet (neither
+    measured it nor failed to): a plan now would leave that Mac out (core/leader.py waits a
+    while for it)."""
+    name = state.model.name if state.model else None
+    answered = [m.measure is not None and m.measure.model == name for m in _candidates(state)]
+    return any(answered) and not all(answered)
+
+
 def unloadable(state: ClusterState) -> bool:
     """Every candidate said it cannot load the committed model: serve nothing."""
     name = state.model.name if state.model else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 
-from p2pmesh.core import dataplane, physical
+from p2pmesh.core import dataplane, fit, physical
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import Command, MarkDown, MarkUp, Peer, Promote, RemoveMember
 from p2pmesh.core.raft import Raft
@@ -41,6 +41,8 @@ class LeaderDuties:
         self.ring_solving: tuple[tuple[tuple[object, ...], ...], Generator[None, None, physical.RingPlan | None]] | None = None
         """A solve spread over several steps (physical.plan_ring_steps): its inputs, its rest."""
         self.placement_checked_at = _NOTHING_CHECKED
+        self.measure_wait: tuple[object, int] | None = None
+        """(the model, since when) the first placement has been waiting for measurements."""
         self._quiet_members: tuple[object, ...] = (None, None, None, 0)
         """(members, last_heard, since_ms, until_ms): silence detection found nothing to do
         for these members, and cannot before until_ms (``detect``)."""
@@ -144,13 +146,25 @@ class LeaderDuties:
             return  # (a ring being solved may change the placement: wait for it as for a SetRing)
         if any(self.in_flight(r, key) for key in (("SetPlacement", ""), ("ActivatePlacement", ""), ("SetRing", ""))):
             return  # one data-plane step at a time, and after the ring settles
+        if self.awaiting_measurements(r, now_ms):
+            return  # (looked at again on the next input: heartbeats come every heartbeat_ms)
         self.placement_checked_at = (r.term, r.applied)
         proposal = dataplane.negotiate(r.state)
         if proposal is not None and not self.propose_once(r, proposal, now_ms):
             self.placement_checked_at = _NOTHING_CHECKED
-        self._quiet_members: tuple[object, ...] = (None, None, None, 0)
-        """(members, last_heard, since_ms, until_ms): silence detection found nothing to do
-        for these members, and cannot before until_ms (``detect``)."""
+
+    def awaiting_measurements(self, r: Raft, now_ms: int) -> bool:
+        """While nothing serves, hold the first placement of a model for the candidates'
+        measurements still to come, for at most measure_grace_ms after this leader first saw
+        some missing (Settings says why). Serving clusters re-plan at once: a Mac that died
+        cannot wait, and one that joins is planned in once it has measured."""
+        state = r.state
+        if state.active or not fit.measurements_awaited(state):
+            self.measure_wait = None
+            return False
+        if self.measure_wait is None or self.measure_wait[0] != state.model:
+            self.measure_wait = (state.model, now_ms)
+        return now_ms - self.measure_wait[1] < self.settings.measure_grace_ms
 
 
 def removal_keeps_quorum(r: Raft, self_id: NodeId, node_id: NodeId) -> bool:

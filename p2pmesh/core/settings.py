@@ -41,6 +41,11 @@ class Settings:
     drain_timeout_ms: int = 60_000
     """A leaving Mac that holds model layers waits at most this long for a placement
     without it to take over (make before break) before it leaves anyway."""
+    measure_grace_ms: int = 10_000
+    """While nothing serves, the leader plans a model's first placement once every candidate
+    has measured it (or failed to), or this long after the first measurement: a plan made on
+    the first measurement alone is replaced moments later, its workers started and its files
+    fetched (hub downloads too) for nothing."""
     proposals_pending_max: int = 1_024
     """Uncommitted entries a leader holds at most; further proposals are refused until
     some commit (bounds the log against a flood of forwarded proposals)."""

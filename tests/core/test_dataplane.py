@@ -242,3 +242,35 @@ def test_a_fault_for_someone_else_or_another_epoch_is_refused() -> None:
 
     for bad in (replace(ok, reporter=b), replace(ok, epoch=5), replace(ok, port=70000), replace(ok, message="x" * 5000)):
         assert forwarded_problem(WorkerFailed(a, 1, 4, bad), a) is not None
+
+
+def test_a_first_placement_waits_a_while_for_every_macs_measurement() -> None:
+    # Planned on the first measurement alone, a placement would be replaced moments later,
+    # its workers started and its files fetched (hub downloads too) for nothing.
+    d, ids = formed(3)
+    follower = next(n for n in ids if n != leader_of(d).node_id)
+    d.handle(follower, ProposalRequested(SetModel(MODEL)))
+    d.run(500)
+    grace_ms = leader_of(d).settings.measure_grace_ms
+    for n in ids[:2]:
+        d.handle(n, ModelMeasured(Measure("tiny", NEEDS_TWO, 0.5)))
+    d.run(grace_ms // 2)
+    assert _state(leader_of(d)).placement_epoch == 0  # the third Mac has not answered yet
+    d.handle(ids[2], ModelMeasured(Measure("tiny", NEEDS_TWO, 0.2)))  # the fastest
+    assert d.run_until(lambda: _state(leader_of(d)).placement_epoch > 0, 2_000)
+    state = _state(leader_of(d))
+    assert state.placement_epoch == 1 and ids[2] in {s.node_id for s in state.placement}
+
+
+def test_a_mac_that_never_measures_delays_the_first_placement_by_the_grace_only() -> None:
+    d, ids = formed(3)
+    follower = next(n for n in ids if n != leader_of(d).node_id)
+    d.handle(follower, ProposalRequested(SetModel(MODEL)))
+    d.run(500)
+    grace_ms = leader_of(d).settings.measure_grace_ms
+    for n in ids[:2]:
+        d.handle(n, ModelMeasured(Measure("tiny", NEEDS_TWO, 0.5)))
+    start = d.now
+    assert d.run_until(lambda: _state(leader_of(d)).placement_epoch > 0, grace_ms + 2_000)
+    assert grace_ms <= d.now - start <= grace_ms + 1_000
+    assert {s.node_id for s in _state(leader_of(d)).placement} == set(ids[:2])
