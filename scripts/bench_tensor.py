@@ -91,7 +91,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=2)
     args = p.parse_args()
 
-    from p2pmesh.core.placement import Group, ModelSpec, NodeSpec, Plan, Stage, predict_plan
+    from p2pmesh.core.placement import Group, ModelSpec, NodeSpec, Plan, SplitShape, Stage, predict_plan
     from p2pmesh.core.ring import Link
     from p2pmesh.worker.measure import layer_decode_ms, model_sizes, usable_memory_bytes
     from p2pmesh.worker.model import load_tokenizer
@@ -118,8 +118,9 @@ def main() -> int:
         sizes = model_sizes(str(model), model)
         config = json.loads((model / "config.json").read_text(encoding="utf-8"))
         spec = ModelSpec(L, sizes["layer_bytes"], sizes["kv_bytes_per_token_per_layer"], len(prompt) + args.tokens,
-                         sizes["activation_bytes"], sizes["embed_bytes"], h, config["num_attention_heads"],
-                         config["num_key_value_heads"], config["intermediate_size"])
+                         sizes["activation_bytes"], sizes["embed_bytes"],
+                         SplitShape(h, config["num_attention_heads"], config["num_key_value_heads"],
+                                    config["intermediate_size"]))
         ids = ["n0", "n1", "n2", "n3"]
         nodes = [NodeSpec(n, usable_memory_bytes(), layer_ms) for n in ids]
         links = [Link(a, b, "network", LOOPBACK_GBPS, ar_ms) for i, a in enumerate(ids) for b in ids[i + 1:]]

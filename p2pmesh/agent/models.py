@@ -16,6 +16,7 @@ import hashlib
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -94,17 +95,11 @@ def describe(name: str, path: Path, context_tokens: int, batch: int = 1, paralle
         # What the first and last stage hold besides layers (embeddings, head, final norm).
         embed_bytes=n.embed_bytes + n.head_bytes + n.norm_bytes,
         batch=batch,
-        # The shape tensor groups split: all four, or none (0: only pipelines are planned).
-        hidden_size=n.hidden_size if n.num_attention_heads else 0,
-        num_attention_heads=n.num_attention_heads,
-        num_key_value_heads=n.num_key_value_heads,
-        intermediate_size=n.intermediate_size,
         parallelism=parallelism,
         kv_bits=kv_bits,
-        # A mixture of experts: what a token reads of a layer (the planner's tensor split).
-        active_layer_bytes=n.active_layer_bytes,
-        attention_bytes=min(n.attention_bytes, n.active_layer_bytes or n.layer_bytes),
-        even_split=n.even_split,
+        # The shape tensor groups split (all four, or none: only pipelines are planned), and
+        # what a token reads of a layer (a mixture of experts: not every expert).
+        **asdict(n.split),
     )
 
 

@@ -118,13 +118,7 @@ def model_spec(info: ModelInfo, sequences: int = SEQUENCES) -> ModelSpec:
         context_tokens=info.context_tokens,
         activation_bytes=info.activation_bytes,
         embed_bytes=info.embed_bytes,
-        hidden_size=info.hidden_size,
-        num_attention_heads=info.num_attention_heads,
-        num_key_value_heads=info.num_key_value_heads,
-        intermediate_size=info.intermediate_size,
-        active_layer_bytes=info.active_layer_bytes,
-        attention_bytes=info.attention_bytes,
-        even_split=info.even_split,
+        split=info.split,
     )
 
 

@@ -38,7 +38,7 @@ from p2pmesh.core.log import RaftLog
 from p2pmesh.core.messages import (
     AddLearner, Capabilities, Drain, Command, Config, Entry, FetchReport, ForwardProposal, Header, Hello,
     JoinReply, JoinRequest, MarkDown, MarkUp, ModelInfo, MESSAGE_TYPES, Message, Peer, Promote, RemovalNotice,
-    RemoveMember, SetModel, Snapshot,
+    RemoveMember, SetModel, SetPlacement, Snapshot,
 )
 from p2pmesh.core.node_io import (  # the machine's inputs and outputs, importable from here too
     AddressesChanged,
@@ -782,3 +782,6 @@ class Machine:
                 ready.messages.append((cmd.node_id, RemovalNotice(self.node_id, r.cluster, cmd.node_id, cmd.inc)))
             if isinstance(cmd, (AddLearner, Promote, RemoveMember, MarkDown, MarkUp)):
                 self.out.events.append(ClusterEvent(_EVENT_NAMES[type(cmd)], cmd.node_id))
+            elif isinstance(cmd, SetPlacement):  # (in the agent's log: where a model went, and when)
+                stages = ", ".join(f"{s.node_id[:8]} [{s.start}, {s.end})" for s in cmd.stages) or "nothing"
+                self.out.events.append(ClusterEvent("placement", f"epoch {cmd.epoch}: {stages}"))

@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass
 
 from p2pmesh.core.ids import ClusterId, NodeId
+from p2pmesh.core.split_shape import SplitShape
 from p2pmesh.core.wire import register
 
 # --------------------------------------------------------------------------------------
@@ -116,8 +117,9 @@ class ModelInfo:
     batch: int = 1
     """Requests the cluster should serve at once: the placement reserves KV cache for this
     many contexts where memory allows, fewer where it does not (1 in records older than it)."""
-    # The shape tensor parallelism splits (config.json; 0 = unknown: then only one Mac or a
-    # pipeline is planned, as in records older than these fields).
+    # The shape tensor parallelism splits, and below what a token reads of a layer: the
+    # fields of core/split_shape.SplitShape (``split``), flat and in the order they came so
+    # that older records decode (0 = unknown: then only one Mac or a pipeline is planned).
     hidden_size: int = 0
     num_attention_heads: int = 0
     num_key_value_heads: int = 0
@@ -128,14 +130,15 @@ class ModelInfo:
     kv_bits: int = 0
     """The KV cache quantized to this many bits (core/protocol.KV_BITS_CHOICES); 0: full
     precision (core/kv_quant.py counts it)."""
-    # What a token reads of a layer, where not all of it (a mixture of experts: attention,
-    # shared and active experts; core/model_spec.py), and a layer's attention weights: tensor
-    # groups split a measured layer_ms by them (core/tensor_cost.py). 0 = dense / unknown.
     active_layer_bytes: int = 0
     attention_bytes: int = 0
     even_split: bool = False
-    """The workers split this family's layers over a tensor group only evenly
-    (core/model_spec.TENSOR_SPLITS): the planner then gives every rank the same share."""
+
+    @property
+    def split(self) -> SplitShape:
+        """What a tensor group splits and a token reads (core/split_shape.py)."""
+        return SplitShape(self.hidden_size, self.num_attention_heads, self.num_key_value_heads,
+                          self.intermediate_size, self.active_layer_bytes, self.attention_bytes, self.even_split)
 
 
 @register(9)

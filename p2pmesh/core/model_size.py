@@ -29,7 +29,7 @@ from typing import Any
 
 from p2pmesh.core.config_shape import (ModelSizeError, cache_elements, config_int, kv_bytes, kv_per_token_per_layer,
                                        kv_quantizable, routed_experts, windows)
-from p2pmesh.core.model_spec import CONFIG_DTYPE_BYTES, DEFAULT_ACTIVATION_BYTES, is_tied, tensor_shape, tensor_split, text_config
+from p2pmesh.core.model_spec import CONFIG_DTYPE_BYTES, DEFAULT_ACTIVATION_BYTES, is_tied, split_shape, text_config
 
 BITS = (2, 3, 4, 5, 6, 8, 16)
 GROUP_SIZE = 64
@@ -319,10 +319,11 @@ def planner_model(config: Mapping[str, Any], bits: int | None = None, context_to
         "embed_bytes": size.embed_bytes(bits),
     }
     # The shape a tensor group splits, as the cluster reads it (all four, or none).
-    block.update(tensor_shape(text_config(config)))
-    if "num_attention_heads" in block:
-        block["hidden_size"] = size.hidden_size
-        block["even_split"] = tensor_split(text_config(config)) == "even"
+    split = split_shape(text_config(config))
+    if split.known:
+        block.update(num_attention_heads=split.num_attention_heads, num_key_value_heads=split.num_key_value_heads,
+                     intermediate_size=split.intermediate_size, hidden_size=split.hidden_size,
+                     even_split=split.even_split)
     return block
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pmesh.core.config_shape import ModelSizeError, cache_layout, kv_per_token_per_layer, routed_experts
+from p2pmesh.core.split_shape import SplitShape
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 """A decoder layer's tensors are named "...layers.<i>.<...>" (model.layers.3.mlp.up_proj.weight)."""
@@ -69,22 +70,10 @@ class ModelSpec:
     """Hidden state of one token as it crosses a hop."""
     tied: bool
     total_bytes: int
-    # The shape a tensor group splits (core/tensor_cost.py): query heads, KV heads and the
-    # MLP columns the workers cut (config.json's intermediate_size; an MoE's experts are cut
-    # in the same proportions). All 0 when config.json does not say them or they do not
-    # divide (then only one Mac or a pipeline is planned).
-    num_attention_heads: int = 0
-    num_key_value_heads: int = 0
-    intermediate_size: int = 0
-    active_layer_bytes: int = 0
-    """What one token reads of a layer, on average over the layers (rounded up): for a mixture
-    of experts, everything but the routed experts plus num_experts_per_tok / experts of them
-    (issue 17). 0 for a dense model (it reads all of layer_bytes)."""
-    attention_bytes: int = 0
-    """The largest layer's attention tensors (ATTENTION_TENSOR_RE): what a tensor group splits
-    by heads (placement_cost.ModelSpec.attention_bytes); 0 when the names do not say."""
-    even_split: bool = False
-    """The workers split this family's layers only evenly (TENSOR_SPLITS "even")."""
+    split: SplitShape = SplitShape()
+    """The shape a tensor group splits (unknown when config.json does not say it, it does
+    not divide, or the workers do not split the family: ``split_shape``), what one token
+    reads of a layer, and the largest layer's attention tensors (ATTENTION_TENSOR_RE)."""
 
 
 ATTENTION_TENSOR_RE = re.compile(r"\.(?:self_attn|attention|attn)\.")
@@ -253,10 +242,7 @@ def model_spec(config: Mapping[str, Any], tensor_bytes: Mapping[str, int], *, ac
         activation_bytes=hidden * dtype_bytes,
         tied=tied,
         total_bytes=sum(per_layer) + embed + head + norm,
-        **tensor_shape(c),
-        active_layer_bytes=active,
-        attention_bytes=max(attention),
-        even_split=tensor_split(c) == "even",
+        split=split_shape(c, active, min(max(attention), active or max(per_layer))),
     )
 
 
@@ -281,19 +267,21 @@ def tensor_split(c: Mapping[str, Any]) -> str | None:
     return TENSOR_SPLITS.get(TENSOR_REMAPPING.get(model_type, model_type))
 
 
-def tensor_shape(c: Mapping[str, Any]) -> dict[str, int]:
-    """num_attention_heads, num_key_value_heads and intermediate_size of a (text) config as
-    the planner splits them, or {} when one is missing or they do not divide (hidden size by
-    heads, heads by KV heads: the planner's ScenarioError), or when the workers do not split
-    this family (TENSOR_SPLITS)."""
-    if tensor_split(c) is None:
-        return {}
+def split_shape(c: Mapping[str, Any], active_layer_bytes: int = 0, attention_bytes: int = 0) -> SplitShape:
+    """A (text) config's shape as the planner splits it, with the byte counts given: unknown
+    (all four 0) when one is missing, they do not divide (hidden size by heads, heads by KV
+    heads: the planner's ScenarioError), or the workers do not split this family
+    (TENSOR_SPLITS)."""
+    bytes_only = SplitShape(active_layer_bytes=active_layer_bytes, attention_bytes=attention_bytes)
+    how = tensor_split(c)
+    if how is None:
+        return bytes_only
     try:
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         kv = int(c.get("num_key_value_heads") or heads)
         columns = int(c.get("intermediate_size") or 0)
     except (KeyError, TypeError, ValueError):
-        return {}
+        return bytes_only
     if min(hidden, heads, kv, columns) <= 0 or hidden % heads or heads % kv:
-        return {}
-    return {"num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": columns}
+        return bytes_only
+    return SplitShape(hidden, heads, kv, columns, active_layer_bytes, attention_bytes, even_split=how == "even")

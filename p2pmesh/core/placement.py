@@ -60,13 +60,14 @@ from p2pmesh.core.placement_cost import (BYTES_MAX, GBPS_MAX, HOP_MS_MAX, LAYERS
                                           stage_indices)
 from p2pmesh.core.placement_search import prefix_keys, reconstruct, solve_latency, solve_throughput
 from p2pmesh.core.ring import Link, parse_graph
-from p2pmesh.core.tensor_cost import GroupCost, TensorContext, group_costs, split_cost, tensor_context, tensor_shape
+from p2pmesh.core.split_shape import SHAPE_MAX, SplitShape
+from p2pmesh.core.tensor_cost import GroupCost, TensorContext, group_costs, split_cost, tensor_context
 from p2pmesh.core.tensor_search import Placed, evaluate_groups, single_unit, solve_grouped
 
 __all__ = [
     "BYTES_MAX", "GBPS_MAX", "HOP_MS_MAX", "LAYERS_MAX", "LINKS_MAX", "MS_MAX", "NETWORK_GBPS", "NODES_MAX",
     "OBJECTIVES", "PARALLELISM_CHOICES", "SINGLE_NODE_SLACK", "STAGE_OVERHEAD_MS", "Group", "ModelSpec", "NodeSpec",
-    "ParallelismError", "PlacementError", "Plan", "ScenarioError", "Share", "Stage", "fits_memory",
+    "ParallelismError", "PlacementError", "Plan", "ScenarioError", "Share", "SplitShape", "Stage", "fits_memory",
     "memory_proportional", "parse_current", "parse_scenario", "predict_plan", "predict_tpot", "solve_placement",
 ]
 
@@ -343,8 +344,10 @@ def _shape_fields(m: dict[str, object]) -> dict[str, int]:
     if len(given) < len(SHAPE_FIELDS):
         missing = ", ".join(f"model.{k}" for k in SHAPE_FIELDS if k not in given)
         raise ScenarioError(f"{missing} missing: a tensor plan needs all of {', '.join(SHAPE_FIELDS)} (or none of them)")
-    out = {k: _int_field(m, k, "model", 1, 1 << 24) for k in SHAPE_FIELDS}
-    tensor_shape(ModelSpec(1, 1, 0, 0, 0, 0, **out))  # ScenarioError: heads that do not divide
+    out = {k: _int_field(m, k, "model", 1, SHAPE_MAX) for k in SHAPE_FIELDS}
+    why = SplitShape(**out).problem(1)
+    if why is not None:
+        raise ScenarioError(why)  # heads that do not divide
     return out
 
 
@@ -380,9 +383,7 @@ def parse_scenario(data: object) -> tuple[ModelSpec, list[NodeSpec], list[Link]]
         context_tokens=_int_field(m, "context_tokens", "model", 0, 1 << 30),
         activation_bytes=_int_field(m, "activation_bytes", "model", 0, BYTES_MAX, default=0),
         embed_bytes=_int_field(m, "embed_bytes", "model", 0, BYTES_MAX, default=0),
-        **_shape_fields(m),
-        **_active_fields(m),
-        even_split=_bool_field(m, "even_split", "model"),
+        split=SplitShape(**_shape_fields(m), **_active_fields(m), even_split=_bool_field(m, "even_split", "model")),
     )
     raw_nodes = data.get("nodes")
     if not isinstance(raw_nodes, list) or not 1 <= len(raw_nodes) <= NODES_MAX:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from p2pmesh.core.ring import DEFAULT_RTT_MS, Link
+from p2pmesh.core.split_shape import SplitShape
 
 STAGE_OVERHEAD_MS = 0.1
 """Fixed cost of one stage per token (MLX eval/sync, the runtime's send and receive), on top
@@ -67,32 +68,22 @@ class ModelSpec:
     context_tokens: int
     activation_bytes: int
     embed_bytes: int = 0
-    # The shape tensor parallelism splits (config.json); 0 = unknown: then only one Mac or a
-    # pipeline can be planned (core/tensor_cost.py).
-    hidden_size: int = 0
-    num_attention_heads: int = 0
-    num_key_value_heads: int = 0
-    intermediate_size: int = 0
-    # What one token reads of a layer, where it is not all of it (issue 17: a mixture of
-    # experts reads its attention, shared experts and num_experts_per_tok routed experts, not
-    # every expert). 0 = layer_bytes (dense). A Mac's measured layer_ms already reflects it;
-    # tensor groups split layer_ms by it (core/tensor_cost.py), and scenarios that derive
-    # layer_ms from memory bandwidth use it (docs/placement.md).
-    active_layer_bytes: int = 0
-    attention_bytes: int = 0
-    even_split: bool = False
-    """Tensor groups may only split this model evenly (core/model_spec.TENSOR_SPLITS)."""
-    """A layer's attention weights (split by heads in a tensor group); 0 = from the shape."""
+    split: SplitShape = SplitShape()
+    """The shape tensor parallelism splits (unknown: only one Mac or a pipeline is planned)
+    and what one token reads of a layer (a mixture of experts: not every expert). A Mac's
+    measured layer_ms already reflects the latter; tensor groups split layer_ms by it
+    (core/tensor_cost.py), and scenarios that derive layer_ms from memory bandwidth use it
+    (docs/placement.md)."""
 
     @property
     def read_layer_bytes(self) -> int:
         """Weights one token reads in a layer (all of layer_bytes for a dense model)."""
-        return self.active_layer_bytes or self.layer_bytes
+        return self.split.read_bytes(self.layer_bytes)
 
     @property
     def has_shape(self) -> bool:
         """Whether the model says enough of its shape for a tensor-parallel plan."""
-        return min(self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.intermediate_size) > 0
+        return self.split.known
 
     @property
     def bytes_per_layer(self) -> int:
@@ -218,15 +209,12 @@ def _check_model(model: ModelSpec) -> None:
         raise ValueError(f"model.layers must be 1..{LAYERS_MAX}, not {model.layers}")
     if model.layer_bytes < 1:
         raise ValueError("model.layer_bytes must be positive")
-    for name in ("kv_bytes_per_token_per_layer", "context_tokens", "activation_bytes", "embed_bytes", "hidden_size",
-                 "num_attention_heads", "num_key_value_heads", "intermediate_size", "active_layer_bytes",
-                 "attention_bytes"):
+    for name in ("kv_bytes_per_token_per_layer", "context_tokens", "activation_bytes", "embed_bytes"):
         if getattr(model, name) < 0:
             raise ValueError(f"model.{name} must not be negative")
-    if model.active_layer_bytes > model.layer_bytes:
-        raise ValueError("model.active_layer_bytes must not exceed model.layer_bytes")
-    if model.attention_bytes > model.read_layer_bytes:
-        raise ValueError("model.attention_bytes must not exceed the bytes a token reads of a layer")
+    why = model.split.problem(model.layer_bytes)
+    if why is not None:
+        raise ScenarioError(why)
 
 
 def _check_nodes(nodes: Sequence[NodeSpec]) -> None:

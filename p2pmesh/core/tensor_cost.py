@@ -17,7 +17,7 @@ layer over its bandwidth, which its measured layer_ms already folds in):
 The bytes of a layer are split by parameter count (q, o: 2 h^2; k, v: 2 h (K h / H); MLP:
 3 h I), or by the model's attention_bytes when it says them; the KV cache of the configured
 context goes with the KV heads. A mixture of experts reads, per token, its attention and the
-active experts only (ModelSpec.active_layer_bytes, issue 17), while its memory holds every
+active experts only (SplitShape.active_layer_bytes, issue 17), while its memory holds every
 expert: the MLP's share of the time is the active bytes', of the memory all experts'. Each all-reduce waits
 for the slowest rank, hence the two maxima. A ring all-reduce of B bytes (B = the model's
 activation_bytes, hidden_size x bytes per element) over s ranks takes 2 (s - 1) steps, each
@@ -78,7 +78,7 @@ class TensorShape:
     attn_read_per_kv: float  # what a token reads of them: all of the attention and its cache ...
     mlp_read_per_block: float  # ... and the routed experts' share (dense: all of the MLP)
     read_bytes: int  # what a token reads of a whole layer, with the KV cache
-    even: bool = False  # every rank the same share (ModelSpec.even_split)
+    even: bool = False  # every rank the same share (SplitShape.even_split)
 
 
 def tensor_shape(model: ModelSpec) -> TensorShape | None:
@@ -86,20 +86,20 @@ def tensor_shape(model: ModelSpec) -> TensorShape | None:
     tensor parallelism can split (heads that do not divide the hidden size, query heads that
     are not a multiple of the KV heads).
 
-    The attention's weights are model.attention_bytes when given, else counted from the shape
+    The attention's weights are model.split.attention_bytes when given, else counted from the shape
     (q, o: 2 h^2; k, v: 2 h K h/H; MLP: 3 h I). A token reads all of the attention and the KV
     cache, and model.read_layer_bytes - attention of the MLP (an MoE's active experts), cut
     in the same column proportions as the memory."""
-    if not model.has_shape:
+    s = model.split
+    if not s.known:
         return None
-    h, H, K, I = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.intermediate_size
-    if h % H:
-        raise ScenarioError(f"model.hidden_size {h} is not a multiple of model.num_attention_heads {H}")
-    if H % K:
-        raise ScenarioError(f"model.num_attention_heads {H} is not a multiple of model.num_key_value_heads {K}")
-    if model.attention_bytes:
-        attn_w = float(model.attention_bytes)
-        mlp_w = float(model.layer_bytes - model.attention_bytes)
+    why = s.problem(model.layer_bytes)
+    if why is not None:
+        raise ScenarioError(why)
+    h, H, K, I = s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.intermediate_size
+    if s.attention_bytes:
+        attn_w = float(s.attention_bytes)
+        mlp_w = float(model.layer_bytes - s.attention_bytes)
     else:
         head_dim = h // H
         qo, kv, mlp = 2 * h * h, 2 * h * K * head_dim, 3 * h * I
@@ -110,12 +110,12 @@ def tensor_shape(model: ModelSpec) -> TensorShape | None:
     block = COLUMN_BLOCK if I % COLUMN_BLOCK == 0 else 1
     blocks = I // block
     attn, mlp_mem = (attn_w + cache) / K, mlp_w / blocks
-    if not model.active_layer_bytes:  # dense: a token reads what the layer holds
+    if not s.active_layer_bytes:  # dense: a token reads what the layer holds
         return TensorShape(K, H // K, blocks, block, attn, mlp_mem, model.bytes_per_layer, attn, mlp_mem,
-                           model.bytes_per_layer, model.even_split)
-    mlp_read = max(0.0, model.active_layer_bytes - attn_w) / blocks
+                           model.bytes_per_layer, s.even_split)
+    mlp_read = max(0.0, s.active_layer_bytes - attn_w) / blocks
     return TensorShape(K, H // K, blocks, block, attn, mlp_mem, model.bytes_per_layer, attn, mlp_read,
-                       model.active_layer_bytes + cache, model.even_split)
+                       s.active_layer_bytes + cache, s.even_split)
 
 
 def split(weights: Sequence[int], total: int, prefer: Sequence[int] | None = None) -> list[int]:

@@ -186,28 +186,9 @@ def model_problem(m: ModelInfo) -> str | None:
     if m.kv_bits and m.batch != 1:
         # mlx-lm's batched cache (BatchKVCache) has no quantized form: one request at a time.
         return "a quantized KV cache (kv_bits) serves one request at a time: its batch must be 1"
-    if not 0 <= m.active_layer_bytes <= m.layer_bytes or not 0 <= m.attention_bytes <= (m.active_layer_bytes or m.layer_bytes):
-        return "a model's active layer bytes are at most its layer bytes, and its attention bytes at most those"
-    return shape_problem(m)
-
-
-SHAPE_MAX = 1 << 24
-"""A model's hidden size, heads and MLP columns are below this (the planner's own bound)."""
-
-
-def shape_problem(m: ModelInfo) -> str | None:
-    """Why a model's tensor shape or asked parallelism cannot be planned: all four shape
-    fields or none, each dividing as tensor groups split them (core/tensor_cost.py)."""
     if m.parallelism not in PARALLELISM_CHOICES:
         return f"parallelism must be one of {', '.join(PARALLELISM_CHOICES)}, not {m.parallelism!r}"
-    shape = (m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.intermediate_size)
-    if shape == (0, 0, 0, 0):
-        return None
-    if not all(1 <= v < SHAPE_MAX for v in shape):
-        return f"a model's shape (hidden size, heads, KV heads, MLP columns) is all 0 (unknown) or all in [1, {SHAPE_MAX})"
-    if m.hidden_size % m.num_attention_heads or m.num_attention_heads % m.num_key_value_heads:
-        return "a model's hidden size must be a multiple of its heads, and its heads of its KV heads"
-    return None
+    return m.split.problem(m.layer_bytes)
 
 
 def forwarded_problem(cmd: object, sender: str) -> str | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pmesh.core.model_spec import tensor_shape, tensor_split
+from p2pmesh.core.model_spec import split_shape, tensor_split
 from p2pmesh.core.placement import ScenarioError, parse_scenario, solve_placement
 
 PLANS = Path(__file__).resolve().parent.parent / "fixtures" / "plans"
@@ -27,7 +27,8 @@ def test_unequal_macs_split_an_even_only_model_equally() -> None:
     uneven = solve_placement(model, nodes, links, parallelism="tensor")
     assert len({(s.kv_heads, s.columns) for s in uneven.groups[0].shares}) == 2  # the premise: by speed
     even_model, _, _ = _load("tp2-ultra-max-rdma", even_split=True)
-    assert even_model.even_split and dataclasses.replace(even_model, even_split=False) == model
+    assert even_model.split.even_split
+    assert dataclasses.replace(even_model, split=dataclasses.replace(even_model.split, even_split=False)) == model
     even = solve_placement(even_model, nodes, links, parallelism="tensor")
     assert even.parallelism == "tensor" and len({(s.kv_heads, s.columns) for s in even.groups[0].shares}) == 1
     assert even.tpot_ms >= uneven.tpot_ms  # equal shares are never faster than the best split
@@ -35,7 +36,7 @@ def test_unequal_macs_split_an_even_only_model_equally() -> None:
 
 def test_three_macs_and_eight_kv_heads_get_no_three_way_group_when_even_only() -> None:
     model, nodes, links = _load("tp3-ultra-rdma", even_split=True)
-    assert model.num_key_value_heads == 8 and len(nodes) == 3
+    assert model.split.num_key_value_heads == 8 and len(nodes) == 3
     plan = solve_placement(model, nodes, links)
     assert all(len(g.node_ids) in (1, 2) for g in plan.groups), plan.groups  # 8 does not divide by 3
     for g in plan.groups:
@@ -56,4 +57,4 @@ def test_which_families_have_a_tensor_path(model_type: str, split: str | None) -
     config = {"model_type": model_type, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4,
               "intermediate_size": 1024}
     assert tensor_split(config) == split
-    assert bool(tensor_shape(config)) == (split is not None)  # no shape: only one Mac or a pipeline
+    assert split_shape(config).known == (split is not None)  # no shape: only one Mac or a pipeline

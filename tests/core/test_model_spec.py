@@ -83,11 +83,11 @@ def test_moe_and_mla_sizes() -> None:
                "model.layers.1.mlp.shared_experts.up_proj.weight": 200, **experts}
     spec = model_spec(config, tensors)
     assert spec.layer_bytes == 300 + 200 + 8000
-    assert spec.active_layer_bytes == -(-(1000 + 300 + 200 + 2000) // 2)
+    assert spec.split.active_layer_bytes == -(-(1000 + 300 + 200 + 2000) // 2)
     assert spec.kv_bytes_per_token_per_layer == (32 + 16) * 2
-    assert spec.attention_bytes == 300
-    assert model_spec(CONFIG, TENSORS).active_layer_bytes == 0  # dense
-    assert model_spec(CONFIG, TENSORS).attention_bytes == 8192 + 4096 + 4096 + 8192
+    assert spec.split.attention_bytes == 300
+    assert model_spec(CONFIG, TENSORS).split.active_layer_bytes == 0  # dense
+    assert model_spec(CONFIG, TENSORS).split.attention_bytes == 8192 + 4096 + 4096 + 8192
     sliding = {**CONFIG, "layer_types": ["sliding_attention", "full_attention", "full_attention"], "sliding_window": 8}
     full = 2 * 2 * 16 * 2
     assert model_spec(sliding, TENSORS).kv_bytes_per_token_per_layer == full

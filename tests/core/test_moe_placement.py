@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pmesh.core.placement import ModelSpec, NodeSpec, ScenarioError, parse_scenario, solve_placement
+from p2pmesh.core.placement import ModelSpec, NodeSpec, ScenarioError, SplitShape, parse_scenario, solve_placement
 from p2pmesh.core.placement_cost import TICKS_PER_MS, cost_context
 from p2pmesh.core.ring import Link
 from p2pmesh.core.tensor_cost import split_cost, tensor_context, tensor_shape
@@ -19,9 +19,14 @@ GB = 10**9
 
 # An MoE layer: 0.1 GB of attention, 6.4 GB of experts of which a token reads 0.2 GB.
 EXPERTS = ModelSpec(layers=60, layer_bytes=6_500_000_000, kv_bytes_per_token_per_layer=1152, context_tokens=8192,
-                    activation_bytes=14336, embed_bytes=500_000_000, hidden_size=7168, num_attention_heads=128,
-                    num_key_value_heads=128, intermediate_size=18432, active_layer_bytes=300_000_000,
-                    attention_bytes=100_000_000)
+                    activation_bytes=14336, embed_bytes=500_000_000,
+                    split=SplitShape(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
+                                     intermediate_size=18432, active_layer_bytes=300_000_000, attention_bytes=100_000_000))
+
+
+def _with(model: ModelSpec, **split: int) -> ModelSpec:
+    """The model with some fields of its split shape changed."""
+    return dataclasses.replace(model, split=dataclasses.replace(model.split, **split))
 
 
 def test_reads_and_memory_each_add_up_to_their_layer() -> None:
@@ -31,7 +36,7 @@ def test_reads_and_memory_each_add_up_to_their_layer() -> None:
     assert sh.kv_heads * sh.attn_bytes_per_kv + sh.blocks * sh.mlp_bytes_per_block == pytest.approx(EXPERTS.bytes_per_layer)
     assert sh.kv_heads * sh.attn_read_per_kv + sh.blocks * sh.mlp_read_per_block == pytest.approx(300_000_000 + cache)
     assert sh.read_bytes == 300_000_000 + cache
-    dense = tensor_shape(dataclasses.replace(EXPERTS, active_layer_bytes=0, attention_bytes=0))
+    dense = tensor_shape(_with(EXPERTS, active_layer_bytes=0, attention_bytes=0))
     assert dense is not None and dense.read_bytes == dense.layer_bytes
     assert (dense.attn_read_per_kv, dense.mlp_read_per_block) == (dense.attn_bytes_per_kv, dense.mlp_bytes_per_block)
 
@@ -40,7 +45,7 @@ def test_a_rank_holding_all_the_attention_pays_its_share_of_the_reads_not_of_the
     """One KV head: the first rank runs all of the attention. Its time is layer_ms x (attention
     + KV cache) / (what a token reads): 35% of the layer's time, not the 1.7% that its share of
     all weights (every expert) would say."""
-    model = dataclasses.replace(EXPERTS, num_attention_heads=1, num_key_value_heads=1, hidden_size=7168)
+    model = _with(EXPERTS, num_attention_heads=1, num_key_value_heads=1, hidden_size=7168)
     nodes = [NodeSpec("a", 384 * GB, 1.0), NodeSpec("b", 384 * GB, 1.0)]
     links = [Link("a", "b", "thunderbolt", 80, 0.3, rdma=True)]
     ctx = cost_context(model, nodes, links)
@@ -48,12 +53,12 @@ def test_a_rank_holding_all_the_attention_pays_its_share_of_the_reads_not_of_the
     assert tctx is not None
     cost = split_cost(tctx, (0, 1), [1, 0], [144, 144])
     cache = model.kv_bytes_per_token_per_layer * model.context_tokens
-    read = model.active_layer_bytes + cache
-    attention = (model.attention_bytes + cache) / read  # 1.0 ms x its share
-    mlp = (model.active_layer_bytes - model.attention_bytes) / 2 / read
+    read = model.split.active_layer_bytes + cache
+    attention = (model.split.attention_bytes + cache) / read  # 1.0 ms x its share
+    mlp = (model.split.active_layer_bytes - model.split.attention_bytes) / 2 / read
     allreduce = cost.entry_act / TICKS_PER_MS
     assert cost.per_layer / TICKS_PER_MS == pytest.approx(attention + mlp + 2 * allreduce, abs=1e-6)
-    dense_view = split_cost(tensor_context(dataclasses.replace(model, active_layer_bytes=0), nodes, links, ctx.ms),  # type: ignore[arg-type]
+    dense_view = split_cost(tensor_context(_with(model, active_layer_bytes=0), nodes, links, ctx.ms),  # type: ignore[arg-type]
                             (0, 1), [1, 0], [144, 144])
     assert cost.per_layer > 1.3 * dense_view.per_layer  # weights-only costing hid the attention's rank
 
@@ -78,12 +83,12 @@ def test_active_fields_are_checked_and_named(edit: dict[str, int], needle: str) 
 def test_active_fields_are_optional_and_read() -> None:
     data = json.loads((MOE / "deepseek-v3-4bit-4x512.json").read_text(encoding="utf-8"))
     model, _, _ = parse_scenario(data)
-    assert (model.active_layer_bytes, model.attention_bytes) == (data["model"]["active_layer_bytes"],
+    assert (model.split.active_layer_bytes, model.split.attention_bytes) == (data["model"]["active_layer_bytes"],
                                                                  data["model"]["attention_bytes"])
     for key in ("active_layer_bytes", "attention_bytes"):
         del data["model"][key]
     model, _, _ = parse_scenario(data)
-    assert model.read_layer_bytes == model.layer_bytes and model.attention_bytes == 0
+    assert model.read_layer_bytes == model.layer_bytes and model.split.attention_bytes == 0
 
 
 def test_deepseek_v3_on_four_512gb_ultras_is_tensor_parallel_within_memory() -> None:
@@ -95,9 +100,9 @@ def test_deepseek_v3_on_four_512gb_ultras_is_tensor_parallel_within_memory() -> 
     pipeline = solve_placement(model, nodes, links, parallelism="pipeline")
     assert plan.tpot_ms < 0.5 * pipeline.tpot_ms
     # layer_ms came from the bytes a token reads (scripts/moe_plans.py), about 1/20 of the layer's weights.
-    read = model.active_layer_bytes + model.kv_bytes_per_token_per_layer * model.context_tokens
+    read = model.split.active_layer_bytes + model.kv_bytes_per_token_per_layer * model.context_tokens
     assert nodes[0].layer_ms == pytest.approx(read / 819e9 * 1e3, abs=1e-4)
-    assert model.active_layer_bytes < model.layer_bytes / 15
+    assert model.split.active_layer_bytes < model.layer_bytes / 15
 
 
 def test_the_cluster_carries_active_bytes_to_the_planner() -> None:
@@ -112,7 +117,7 @@ def test_the_cluster_carries_active_bytes_to_the_planner() -> None:
                      active_layer_bytes=300_000_000, attention_bytes=100_000_000)
     assert model_problem(info) is None
     spec = planner_spec(info)
-    assert (spec.active_layer_bytes, spec.attention_bytes) == (300_000_000, 100_000_000)
+    assert (spec.split.active_layer_bytes, spec.split.attention_bytes) == (300_000_000, 100_000_000)
     assert model_problem(dataclasses.replace(info, active_layer_bytes=7_000_000_000)) is not None
     assert model_problem(dataclasses.replace(info, attention_bytes=400_000_000)) is not None
     assert planner_spec(dataclasses.replace(info, active_layer_bytes=0, attention_bytes=0)).read_layer_bytes == 6_500_000_000

@@ -25,6 +25,7 @@ from p2pmesh.core.placement import (
     PlacementError,
     Plan,
     ScenarioError,
+    SplitShape,
     parse_current,
     parse_scenario,
     predict_plan,
@@ -70,7 +71,7 @@ def test_the_same_four_on_10gbe_are_never_slower_than_one_mac() -> None:
 
 def test_three_macs_with_64_heads_use_all_three_at_least_2_2x() -> None:
     model, nodes, links = _load("tp3-ultra-rdma")
-    assert model.num_attention_heads == 64 and model.num_key_value_heads == 8
+    assert model.split.num_attention_heads == 64 and model.split.num_key_value_heads == 8
     plan = solve_placement(model, nodes, links)
     assert plan.parallelism == "tensor" and set(plan.groups[0].node_ids) == {n.node_id for n in nodes}
     assert sorted(s.kv_heads for s in plan.groups[0].shares) == [2, 3, 3]  # uneven: 8 does not divide by 3
@@ -172,7 +173,7 @@ def _shape_model(rng: random.Random, layers: int) -> ModelSpec:
     heads = rng.choice([4, 8])
     kv = rng.choice([k for k in (1, 2, 4, 8) if heads % k == 0])
     return ModelSpec(layers, rng.choice([100, 200]), rng.choice([0, 1]), rng.choice([0, 10]), rng.choice([0, 4096, 10**6]),
-                     rng.choice([0, 0, 50]), 64 * heads // 4, heads, kv, rng.choice([64, 128, 96]))
+                     rng.choice([0, 0, 50]), SplitShape(64 * heads // 4, heads, kv, rng.choice([64, 128, 96])))
 
 
 def _case(rng: random.Random, n: int, layers: int) -> tuple[ModelSpec, list[NodeSpec], list[Link]]:
@@ -245,7 +246,7 @@ def test_grouped_search_equals_brute_force(seed: int) -> None:
 
 def _rank_bytes(model: ModelSpec, kv: int, columns: int) -> float:
     """A rank's bytes per layer, from the model's shape alone (docs/placement.md)."""
-    h, H, K, I = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.intermediate_size
+    h, H, K, I = model.split.hidden_size, model.split.num_attention_heads, model.split.num_key_value_heads, model.split.intermediate_size
     qo, kvw, mlp = 2 * h * h, 2 * h * K * (h // H), 3 * h * I
     attn = model.layer_bytes * (qo + kvw) / (qo + kvw + mlp) + model.kv_bytes_per_token_per_layer * model.context_tokens
     return attn * kv / K + model.layer_bytes * mlp / (qo + kvw + mlp) * columns / I
@@ -292,11 +293,11 @@ def test_chosen_plan_is_never_slower_and_respects_shares_memory_and_layers(case:
         if len(g.node_ids) == 1:
             assert g.layers * model.bytes_per_layer + extra <= by[g.node_ids[0]].memory_bytes
             continue
-        assert sum(s.heads for s in g.shares) == model.num_attention_heads
-        assert sum(s.kv_heads for s in g.shares) == model.num_key_value_heads
-        assert sum(s.columns for s in g.shares) == model.intermediate_size
+        assert sum(s.heads for s in g.shares) == model.split.num_attention_heads
+        assert sum(s.kv_heads for s in g.shares) == model.split.num_key_value_heads
+        assert sum(s.columns for s in g.shares) == model.split.intermediate_size
         for nid, s in zip(g.node_ids, g.shares):
-            assert s.heads == s.kv_heads * (model.num_attention_heads // model.num_key_value_heads)
+            assert s.heads == s.kv_heads * (model.split.num_attention_heads // model.split.num_key_value_heads)
             assert g.layers * _rank_bytes(model, s.kv_heads, s.columns) + extra <= by[nid].memory_bytes + 1e-6 * g.layers
     again = predict_plan(model, nodes, links, plan)
     assert again.tpot_ms == pytest.approx(plan.tpot_ms, abs=TOL) and again.parallelism == plan.parallelism
@@ -369,7 +370,7 @@ def test_malformed_shape_or_rdma_is_named(edit: object, needle: str) -> None:
 
 def test_shape_and_rdma_are_read_and_optional() -> None:
     model, _, links = parse_scenario(_scenario())
-    assert (model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.intermediate_size) == (8192, 64, 8, 28672)
+    assert (model.split.hidden_size, model.split.num_attention_heads, model.split.num_key_value_heads, model.split.intermediate_size) == (8192, 64, 8, 28672)
     assert all(l.rdma for l in links)
     data = _scenario()
     for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
