@@ -244,16 +244,21 @@ def test_a_fault_for_someone_else_or_another_epoch_is_refused() -> None:
         assert forwarded_problem(WorkerFailed(a, 1, 4, bad), a) is not None
 
 
-def test_a_first_placement_waits_a_while_for_every_macs_measurement() -> None:
-    # Planned on the first measurement alone, a placement would be replaced moments later,
-    # its workers started and its files fetched (hub downloads too) for nothing.
+def _two_of_three_measured():  # type: ignore[no-untyped-def]
+    """Three Macs, the model set, two of them measured: (driver, ids, the grace in ms)."""
     d, ids = formed(3)
     follower = next(n for n in ids if n != leader_of(d).node_id)
     d.handle(follower, ProposalRequested(SetModel(MODEL)))
     d.run(500)
-    grace_ms = leader_of(d).settings.measure_grace_ms
     for n in ids[:2]:
         d.handle(n, ModelMeasured(Measure("tiny", NEEDS_TWO, 0.5)))
+    return d, ids, leader_of(d).settings.measure_grace_ms
+
+
+def test_a_first_placement_waits_a_while_for_every_macs_measurement() -> None:
+    # Planned on the first measurement alone, a placement would be replaced moments later,
+    # its workers started and its files fetched (hub downloads too) for nothing.
+    d, ids, grace_ms = _two_of_three_measured()
     d.run(grace_ms // 2)
     assert _state(leader_of(d)).placement_epoch == 0  # the third Mac has not answered yet
     d.handle(ids[2], ModelMeasured(Measure("tiny", NEEDS_TWO, 0.2)))  # the fastest
@@ -263,13 +268,7 @@ def test_a_first_placement_waits_a_while_for_every_macs_measurement() -> None:
 
 
 def test_a_mac_that_never_measures_delays_the_first_placement_by_the_grace_only() -> None:
-    d, ids = formed(3)
-    follower = next(n for n in ids if n != leader_of(d).node_id)
-    d.handle(follower, ProposalRequested(SetModel(MODEL)))
-    d.run(500)
-    grace_ms = leader_of(d).settings.measure_grace_ms
-    for n in ids[:2]:
-        d.handle(n, ModelMeasured(Measure("tiny", NEEDS_TWO, 0.5)))
+    d, ids, grace_ms = _two_of_three_measured()
     start = d.now
     assert d.run_until(lambda: _state(leader_of(d)).placement_epoch > 0, grace_ms + 2_000)
     assert grace_ms <= d.now - start <= grace_ms + 1_000
