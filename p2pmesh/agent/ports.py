@@ -8,6 +8,9 @@
   ``await view.changed(since)`` wakes a task when there is something new; no polling.
 - ``Inbox``: the send side of the core's one bounded channel; the only way a task speaks
   to the core (inputs are past-tense facts: core/node_io.py).
+- ``HubDownloads``: which files other Macs are downloading from Hugging Face now (their
+  fresh transfer reports), for the one task that asks before downloading (hub_share.py).
+  Kept out of the view: reports change twice a second and nothing waits on them.
 - Each task's own configuration is a frozen dataclass beside the task (tasks/*.py), holding
   just what it needs.
 
@@ -16,6 +19,7 @@ Only agent/runtime.py writes to a view (``ViewPublisher``); no task imports the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import trio
@@ -101,6 +105,17 @@ class ViewPublisher:
         woken, view._next = view._next, trio.Event()
         woken.set()
         return True
+
+
+class HubDownloads:
+    """Read side of the members' fresh transfer reports (core/transfers.hub_downloads)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, NodeId]] = dict) -> None:
+        self._read = read
+
+    def now(self) -> Mapping[str, NodeId]:
+        """The files ("model: file") other Macs are downloading from the hub, and who."""
+        return self._read()
 
 
 class Inbox:

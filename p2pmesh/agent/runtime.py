@@ -35,7 +35,7 @@ import trio
 from p2pmesh.agent import models
 from p2pmesh.agent.config import AgentConfig
 from p2pmesh.agent.http import serve_http
-from p2pmesh.agent.ports import Inbox, Snapshot, ViewPublisher
+from p2pmesh.agent.ports import HubDownloads, Inbox, Snapshot, ViewPublisher
 from p2pmesh.agent.status import status_json
 from p2pmesh.agent.tasks import fetch, links, measure, pairing, peer_copy
 from p2pmesh.agent.tasks.workers import Supervisor, WorkersConfig
@@ -230,7 +230,8 @@ class Agent:
                                             model_root=cfg.model_root, state_dir=cfg.state_dir))
             # The tasks: each gets the view, the inbox and its own config, never this object.
             inbox, view = self.inbox_port, self.view
-            copier = peer_copy.PeerCopy(view, self.places, client_ctx, over_tls=cfg.copy_over_tls)
+            downloads = HubDownloads(lambda: transfers.hub_downloads(self._transfers, self.identity.node_id, self.now_ms()))
+            copier = peer_copy.PeerCopy(view, self.places, client_ctx, over_tls=cfg.copy_over_tls, hub_downloads=downloads)
             nursery.start_soon(links.watch_ports, inbox, cfg.interfaces)
             nursery.start_soon(links.probes, view, inbox, links.ProbeConfig(
                 bound_port + links.PROBE_PORT_OFFSET, *self.credentials.contexts(),

@@ -83,9 +83,11 @@ def requests_json(state: ClusterState | None, load: LoadReport | None) -> dict[s
 def transfer_json(report: FetchReport) -> dict[str, Any]:
     """One `transfers` entry: a Mac copying ("peer") or downloading ("hub") its stage's
     missing files: bytes arrived and in all, MB/s over the last seconds, seconds left at
-    that rate (None while unknown). Shown while its reports are fresh (core/transfers.py)."""
+    that rate (None while unknown), the files ("model: file") downloading from the hub now.
+    Shown while its reports are fresh (core/transfers.py)."""
     return {"node_id": report.src, "source": report.source, "bytes_done": report.bytes_done,
-            "bytes_total": report.bytes_total, "mb_s": report.mb_s, "eta_s": report.eta_s}
+            "bytes_total": report.bytes_total, "mb_s": report.mb_s, "eta_s": report.eta_s,
+            "hub_files": list(report.hub_files)}
 
 
 def placement_json(state: ClusterState) -> dict[str, Any]:

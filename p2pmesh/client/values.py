@@ -197,6 +197,8 @@ class Transfer:
     """Over the last few seconds."""
     eta_s: float | None
     """Seconds left at that rate; None while unknown."""
+    hub_files: tuple[str, ...] = ()
+    """The files ("model: file") it is downloading from the hub right now."""
 
 
 @dataclass(frozen=True)
@@ -339,7 +341,7 @@ class Event:
 
 def _transfer(d: Mapping[str, Any]) -> Transfer:
     return Transfer(str(d["node_id"]), str(d["source"]), int(d["bytes_done"]), int(d["bytes_total"]), float(d["mb_s"]),
-                    _opt_float(d.get("eta_s")))
+                    _opt_float(d.get("eta_s")), tuple(str(f) for f in d.get("hub_files") or ()))
 
 
 def _requests(d: Any) -> Requests | None:

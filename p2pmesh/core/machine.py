@@ -322,7 +322,7 @@ class Machine:
         self.facts.worker_event("fetched", event.epoch)
 
     def _on_fetch_progress(self, event: FetchProgressed, now_ms: int) -> None:
-        report = self.transfers.local(event.source, event.bytes_done, event.bytes_total, now_ms)
+        report = self.transfers.local(event.source, event.bytes_done, event.bytes_total, now_ms, event.hub_files)
         if report is not None and self.raft is not None and self.mode is MEMBER:
             self.ready.messages.extend((m.node_id, report) for m in self.raft.state.members if m.node_id != self.node_id)
 

@@ -717,6 +717,9 @@ class FetchReport:
     """Over the last few seconds (core/transfers.RATE_WINDOW_MS)."""
     eta_s: float | None
     """Seconds left at that rate; None while the rate is not known yet (or is zero)."""
+    hub_files: tuple[str, ...] = ()
+    """The files ("model: file") this Mac is downloading from Hugging Face right now: a Mac
+    about to download one of them waits for this one instead (agent/tasks/hub_share.py)."""
 
 
 Message = (RaftMessage | Hello | JoinRequest | JoinReply | RemovalNotice | InferRequest | InferTokens | InferCancel

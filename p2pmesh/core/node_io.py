@@ -213,6 +213,8 @@ class FetchProgressed:
     source: str
     bytes_done: int
     bytes_total: int
+    hub_files: tuple[str, ...] = ()
+    """The files ("model: file") being downloaded from Hugging Face now (FetchReport.hub_files)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ The rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 from p2pmesh.core import dataplane
@@ -143,6 +143,15 @@ class FetchPlanner:
         if self.retry_at > now:
             due = min(due, self.retry_at)
         return max(0.0, due - now)
+
+
+def hub_files_to_download(missing: Sequence[str], downloaders: Mapping[str, NodeId], me: NodeId, *,
+                          late: bool, elsewhere: Container[str]) -> list[str]:
+    """Of the files this Mac still misses, those it downloads from the hub now: those
+    ``hub_downloaders`` gives it, unless another Mac is downloading that file already
+    (``elsewhere``: a placement changed while that Mac downloads it, which it finishes; this
+    Mac then copies it from there). Once ``late`` (waited too long for the others), all."""
+    return [f for f in missing if late or (downloaders.get(f, me) == me and f not in elsewhere)]
 
 
 def hub_downloaders(needs: Sequence[tuple[NodeId, Sequence[str]]]) -> dict[str, NodeId]:

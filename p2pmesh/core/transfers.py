@@ -27,6 +27,9 @@ STALE_MS = 3_000
 """A report older than this says nothing: the transfer ended (or its Mac went)."""
 REPORTS_MAX = 64
 SAMPLES_MAX = 64
+HUB_FILES_MAX = 16
+"""Files a report names as downloading from the hub (a Mac downloads one at a time)."""
+HUB_FILE_CHARS_MAX = 1024
 
 
 def report_problem(report: FetchReport) -> str | None:
@@ -37,6 +40,8 @@ def report_problem(report: FetchReport) -> str | None:
         return "bytes_done is not within 0..bytes_total"
     if not report.mb_s >= 0 or (report.eta_s is not None and not report.eta_s >= 0):
         return "a negative (or NaN) rate or time left"
+    if len(report.hub_files) > HUB_FILES_MAX or any(len(f) > HUB_FILE_CHARS_MAX for f in report.hub_files):
+        return f"at most {HUB_FILES_MAX} hub files of at most {HUB_FILE_CHARS_MAX} characters"
     return None
 
 
@@ -51,10 +56,14 @@ class Transfers:
         """(ms, bytes done) of this node's transfer, for its rate."""
         self._source = ""
         self._sent_ms: int | None = None
+        self._sent_hub_files: tuple[str, ...] = ()
 
-    def local(self, source: str, done: int, total: int, now_ms: int) -> FetchReport | None:
+    def local(self, source: str, done: int, total: int, now_ms: int,
+              hub_files: tuple[str, ...] = ()) -> FetchReport | None:
         """This node's fetch task reported its bytes: the report to send to every member now,
-        or None when one went out less than REPORT_MS ago (the next one carries it)."""
+        or None when one went out less than REPORT_MS ago (the next one carries it). A
+        change of the files downloading from the hub goes out at once: another Mac may be
+        about to download the same file."""
         done, total = max(0, done), max(0, total)
         done = min(done, total)
         samples = self._samples
@@ -67,11 +76,13 @@ class Transfers:
         first_ms, first = samples[0]
         rate = (done - first) * 1000 / (now_ms - first_ms) if now_ms > first_ms else 0.0  # bytes/s
         eta = round((total - done) / rate, 1) if rate > 0 else (0.0 if done >= total else None)
-        report = FetchReport(self.me, source, done, total, round(rate / 1e6, 1), eta)
+        hub_files = hub_files[:HUB_FILES_MAX]
+        report = FetchReport(self.me, source, done, total, round(rate / 1e6, 1), eta, hub_files)
         self._put(self.me, report, now_ms)
-        if self._sent_ms is not None and now_ms - self._sent_ms < REPORT_MS and done < total:
+        if (self._sent_ms is not None and now_ms - self._sent_ms < REPORT_MS and done < total
+                and hub_files == self._sent_hub_files):
             return None
-        self._sent_ms = now_ms
+        self._sent_ms, self._sent_hub_files = now_ms, hub_files
         return report
 
     def heard(self, src: NodeId, report: FetchReport, now_ms: int) -> bool:
@@ -91,6 +102,12 @@ class Transfers:
 def fresh(reports: dict[NodeId, tuple[FetchReport, int]], now_ms: int) -> list[FetchReport]:
     """The reports not older than STALE_MS, by node id (what status shows)."""
     return [r for n, (r, at) in sorted(reports.items()) if now_ms - at <= STALE_MS]
+
+
+def hub_downloads(reports: dict[NodeId, tuple[FetchReport, int]], me: NodeId, now_ms: int) -> dict[str, NodeId]:
+    """The files ("model: file") other members are downloading from the hub, by fresh
+    reports: a report goes stale STALE_MS after its Mac stopped sending (finished or died)."""
+    return {f: r.src for r in fresh(reports, now_ms) if r.src != me for f in r.hub_files}
 
 
 def fetch_step(source: str, done: int, total: int) -> tuple[str, int]:

@@ -10,7 +10,7 @@ from p2pmesh.core.ids import ClusterId, NodeId
 from p2pmesh.core.messages import ClusterState, ModelInfo, Stage
 from p2pmesh.core.node_io import StageFilesFetched, WorkerCrashed
 from p2pmesh.core.stage_fetch import (BACKOFF_S, FETCH_ATTEMPTS_MAX, PRUNE_AFTER_S, FetchJob, FetchPlanner, FetchPolicy,
-                                      hub_downloaders)
+                                      hub_downloaders, hub_files_to_download)
 
 ME, PEER = NodeId("me"), NodeId("peer")
 
@@ -85,3 +85,15 @@ def test_each_file_several_macs_need_from_the_hub_has_one_downloader_among_them(
     # A Mac listed twice counts once; nobody needing anything: no downloads.
     assert hub_downloaders([(a, ["x"]), (a, ["y"])]) == {"x": a, "y": a}
     assert hub_downloaders([]) == {} and hub_downloaders([(a, [])]) == {}
+
+
+def test_a_file_another_mac_is_downloading_already_is_waited_for_not_downloaded_again() -> None:
+    """A placement that changes while a Mac downloads a file (a later measurement, a probe)
+    makes another Mac its downloader; that Mac waits for the first one's download instead,
+    unless it has waited too long for the others (then it downloads everything it misses)."""
+    a, b = NodeId("a"), NodeId("b")
+    plan = {"w1": a, "w2": a, "w3": b}
+    assert hub_files_to_download(["w1", "w2", "w3"], plan, a, late=False, elsewhere={}) == ["w1", "w2"]
+    assert hub_files_to_download(["w1", "w2", "w3"], plan, a, late=False, elsewhere={"w2": b}) == ["w1"]
+    assert hub_files_to_download(["w4"], plan, a, late=False, elsewhere=set()) == ["w4"]  # nobody's: here
+    assert hub_files_to_download(["w2", "w3"], plan, a, late=True, elsewhere={"w2": b}) == ["w2", "w3"]

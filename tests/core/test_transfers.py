@@ -6,7 +6,8 @@ import math
 
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import FetchReport
-from p2pmesh.core.transfers import REPORT_MS, REPORTS_MAX, STALE_MS, Transfers, fresh, report_problem
+from p2pmesh.core.transfers import (HUB_FILES_MAX, REPORT_MS, REPORTS_MAX, STALE_MS, Transfers, fresh, hub_downloads,
+                                    report_problem)
 
 ME, PEER = NodeId("me"), NodeId("peer")
 MB = 1_000_000
@@ -42,3 +43,23 @@ def test_members_reports_are_checked_kept_per_node_and_forgotten_when_stale() ->
         n = NodeId(f"n{i:03d}")
         t.heard(n, FetchReport(n, "peer", 0, 1, 0.0, None), 10_000)
     assert len(t.reports) == REPORTS_MAX
+
+
+def test_the_files_a_mac_downloads_from_the_hub_go_out_at_once_and_name_their_downloader() -> None:
+    """Another Mac about to download the same file waits for this one (hub_share.py): a
+    change of those files is sent at once, not held back by REPORT_MS."""
+    t = Transfers(ME)
+    assert t.local("hub", 0, 100 * MB, 0) is not None
+    assert t.local("hub", MB, 100 * MB, 100) is None  # bytes alone: held back
+    started = t.local("hub", 2 * MB, 100 * MB, 200, ("m: w1",))
+    assert started is not None and started.hub_files == ("m: w1",)  # a new file: sent now
+    assert t.local("hub", 3 * MB, 100 * MB, 300, ("m: w1",)) is None
+    assert t.local("hub", 4 * MB, 100 * MB, 400, ()) is not None  # it ended: sent now
+    heard = Transfers(PEER)
+    assert heard.heard(ME, started, 1000)
+    assert hub_downloads(heard.reports, PEER, 1000) == {"m: w1": ME}
+    assert hub_downloads(heard.reports, PEER, 1000 + STALE_MS + 1) == {}  # its Mac went quiet: nobody
+    assert hub_downloads(t.reports, ME, 400) == {}  # never this Mac's own
+    many = FetchReport(PEER, "hub", 1, 2, 0.0, None, tuple(f"m: w{i}" for i in range(HUB_FILES_MAX + 1)))
+    assert report_problem(many) is not None
+    assert report_problem(FetchReport(PEER, "hub", 1, 2, 0.0, None, ("m: " + "x" * 5000,))) is not None

@@ -136,7 +136,7 @@ EXAMPLES: dict[type, list[Any]] = {
     InferTokens: [InferTokens(B, "r1", 3, (5,), "x", False, "", (1, 2)), InferTokens(B, "r1", 3, (), "why", True, "error", ())],
     InferCancel: [InferCancel(B, "r1", 3, 2)],
     LoadReport: [LoadReport(B, 3, 8, 2, 312.5), LoadReport(B, 4, 0, 0, 0.0)],
-    FetchReport: [FetchReport(B, "peer", 512, 4096, 81.5, 3.2), FetchReport(B, "hub", 0, 10, 0.0, None)],
+    FetchReport: [FetchReport(B, "peer", 512, 4096, 81.5, 3.2), FetchReport(B, "hub", 0, 10, 0.0, None), FetchReport(B, "hub", 1, 10, 0.5, 18.0, ("m: w1",))],
     Put: [Put("k", "v"), Put("", "")],
     Entry: list(ENTRIES),
     ClusterState: [STATE, ClusterState(CL, (), 0, (), ())],

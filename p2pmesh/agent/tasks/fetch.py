@@ -87,7 +87,7 @@ async def _run_job(copier: PeerCopy, inbox: Inbox, job: stage_fetch.FetchJob) ->
         nursery.cancel_scope.cancel()
     _, total = meter.progress()
     if error is None and total:
-        await inbox.put(FetchProgressed(meter.source, total, total))  # the end: every member sees it done
+        await inbox.put(FetchProgressed(meter.source, total, total))  # the end: every member sees it done (no hub files)
     return error
 
 
@@ -99,7 +99,7 @@ async def _report_progress(meter: Meter, inbox: Inbox) -> None:
         await trio.sleep(REPORT_S)
         done, total = meter.progress()
         if total:
-            await inbox.put(FetchProgressed(meter.source, done, total))
+            await inbox.put(FetchProgressed(meter.source, done, total, tuple(sorted(meter.from_hub))))
 
 
 async def fetch_loop(view: ClusterView, inbox: Inbox, copier: PeerCopy) -> None:

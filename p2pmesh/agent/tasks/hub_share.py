@@ -12,7 +12,10 @@ served in part. A stage of several files therefore flows file by file.
 A Mac waiting for another's download asks the members again after a short wait (POLL_S,
 doubling), for at most WAIT_S; a downloader that is down, or takes longer than that, is
 replaced by downloading here (the rule is computed again each round over the members that
-are up). The model's metadata (config, index, tokenizer: kilobytes) is copied from a Mac
+are up). The rule follows the placement, which may change while a Mac downloads (a later
+measurement, a probe): a file another Mac is downloading already, as its transfer reports
+say (core/transfers.hub_downloads: fresh for 3 s after its last), is waited for and copied,
+not downloaded a second time. The model's metadata (config, index, tokenizer: kilobytes) is copied from a Mac
 that has it where one does (the Mac that described the model), else downloaded.
 
 A model with one weight file and no index is fetched as before (the one file, whoever
@@ -95,12 +98,15 @@ async def fetch_from_hub(copier: PeerCopy, repo_id: str, name: str, layers: tupl
         if not missing:
             return dest
         plan = _plan(copier, config, wm, needs)
-        late = trio.current_time() >= deadline
-        mine = [f for f in missing if plan.get(f, me) == me or late]
+        prefix = f"{name}: "
+        elsewhere = {k[len(prefix):]: n for k, n in copier.hub_downloads.now().items() if k.startswith(prefix)}
+        mine = stage_fetch.hub_files_to_download(missing, plan, me, late=trio.current_time() >= deadline,
+                                                 elsewhere=elsewhere)
         if mine:
             await _download(copier, repo_id, name, dest, mine)
             continue
-        log.debug("waiting for %s of %s from %s", ", ".join(missing), name, ", ".join(sorted({plan[f] for f in missing})))
+        log.debug("waiting for %s of %s from %s", ", ".join(missing), name,
+                  ", ".join(sorted({elsewhere.get(f) or plan.get(f, me) for f in missing})))
         if await copier.copy_layers(name, layers) is not None:
             return dest
         await trio.sleep(wait)
@@ -146,7 +152,7 @@ async def _download(copier: PeerCopy, repo_id: str, name: str, dest: Path, files
     meter.plan("hub", {f"{name}: {f}": n for f, n in sizes.items()})
     for f in files:
         key = f"{name}: {f}"
-        progress = meter.start(key, sizes[f])
+        progress = meter.start(key, sizes[f], hub=True)
 
         def count(n: int, progress: CopyProgress = progress) -> None:
             progress.done += n

@@ -28,7 +28,7 @@ from pathlib import Path
 import trio
 
 from p2pmesh.agent.models import weights_for, copy_dir, has_layers, located
-from p2pmesh.agent.ports import ClusterView
+from p2pmesh.agent.ports import ClusterView, HubDownloads
 from p2pmesh.core.ids import NodeId
 from p2pmesh.core.messages import ClusterState
 from p2pmesh.drivers import model_files
@@ -112,9 +112,11 @@ class Meter:
         """Bytes of the files that arrived whole."""
         self.flying: dict[str, CopyProgress] = {}
         """The files arriving now ("model: file" -> bytes done and in all)."""
+        self.from_hub: frozenset[str] = frozenset()
+        """Those of them downloading from Hugging Face (the others come from Macs)."""
 
     def reset(self) -> None:
-        self.source, self.planned, self.finished, self.flying = "peer", {}, 0, {}
+        self.source, self.planned, self.finished, self.flying, self.from_hub = "peer", {}, 0, {}, frozenset()
 
     def plan(self, source: str, files: dict[str, int]) -> None:
         """These files ("model: file" -> bytes) are to come from ``source`` (the latest
@@ -123,14 +125,17 @@ class Meter:
             self.source = source
             self.planned = {**self.planned, **files}
 
-    def start(self, key: str, size: int) -> CopyProgress:
+    def start(self, key: str, size: int, *, hub: bool = False) -> CopyProgress:
         progress = CopyProgress(total=size)
         self.flying = {**self.flying, key: progress}
+        if hub:
+            self.from_hub = self.from_hub | {key}
         return progress
 
     def end(self, key: str, ok: bool) -> None:
         progress = self.flying.get(key)
         self.flying = {k: v for k, v in self.flying.items() if k != key}
+        self.from_hub = self.from_hub - {key}
         if ok and progress is not None:
             self.finished += progress.total
 
@@ -146,8 +151,10 @@ class PeerCopy:
     (measure and fetch could otherwise write the same file)."""
 
     def __init__(self, view: ClusterView, places: ModelPlaces, client_ctx: ssl.SSLContext, *,
-                 over_tls: bool = False) -> None:
+                 over_tls: bool = False, hub_downloads: HubDownloads | None = None) -> None:
         self.view = view
+        self.hub_downloads = hub_downloads or HubDownloads()
+        """What the other Macs are downloading from the hub (hub_share.py waits for those)."""
         self.places = places
         self.client_ctx = client_ctx
         self.over_tls = over_tls
