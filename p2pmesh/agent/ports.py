@@ -108,14 +108,32 @@ class ViewPublisher:
 
 
 class HubDownloads:
-    """Read side of the members' fresh transfer reports (core/transfers.hub_downloads)."""
+    """The members' fresh transfer reports as files downloading from the hub
+    (core/transfers.hub_downloads): ``now()``, and ``await changed()`` once they differ
+    from what was last seen (the runtime calls ``refresh`` when reports arrive; a report
+    that goes stale changes nothing until the next refresh, hence the waiter's timeout)."""
 
     def __init__(self, read: Callable[[], Mapping[str, NodeId]] = dict) -> None:
         self._read = read
+        self._seen: Mapping[str, NodeId] = {}
+        self._next = trio.Event()
 
     def now(self) -> Mapping[str, NodeId]:
         """The files ("model: file") other Macs are downloading from the hub, and who."""
         return self._read()
+
+    def refresh(self) -> None:
+        """Runtime side: the reports changed; wake the waiters if the files did."""
+        current = self._read()
+        if current != self._seen:
+            self._seen = dict(current)
+            woken, self._next = self._next, trio.Event()
+            woken.set()
+
+    async def changed(self, *, timeout_s: float) -> None:
+        """Return when the files downloading elsewhere change, or after ``timeout_s``."""
+        with trio.move_on_after(timeout_s):
+            await self._next.wait()
 
 
 class Inbox:

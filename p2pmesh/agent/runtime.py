@@ -137,6 +137,9 @@ class Agent:
         """The serving head's batch report and when the core made or heard it."""
         self._transfers: dict[NodeId, tuple[FetchReport, int]] = {}
         """Each member's latest fetch report and when the core made or heard it (core/transfers.py)."""
+        self.hub_downloads = HubDownloads(lambda: transfers.hub_downloads(self._transfers, self.identity.node_id,
+                                                                           self.now_ms()))
+        """The files other Macs are downloading from the hub: the fetch task's port."""
         self._publisher = ViewPublisher(self.identity.node_id)
         self.view = self._publisher.view
         """What the tasks read: committed state that is on disk (agent/ports.py)."""
@@ -230,8 +233,8 @@ class Agent:
                                             model_root=cfg.model_root, state_dir=cfg.state_dir))
             # The tasks: each gets the view, the inbox and its own config, never this object.
             inbox, view = self.inbox_port, self.view
-            downloads = HubDownloads(lambda: transfers.hub_downloads(self._transfers, self.identity.node_id, self.now_ms()))
-            copier = peer_copy.PeerCopy(view, self.places, client_ctx, over_tls=cfg.copy_over_tls, hub_downloads=downloads)
+            copier = peer_copy.PeerCopy(view, self.places, client_ctx, over_tls=cfg.copy_over_tls,
+                                        hub_downloads=self.hub_downloads)
             nursery.start_soon(links.watch_ports, inbox, cfg.interfaces)
             nursery.start_soon(links.probes, view, inbox, links.ProbeConfig(
                 bound_port + links.PROBE_PORT_OFFSET, *self.credentials.contexts(),
@@ -337,7 +340,9 @@ class Agent:
             # The serving head's batch, for status only (kept out of the tasks' view: it
             # changes twice a second and no task acts on it).
             self._load = (m.router.load, m.router.load_ms)
-            self._transfers = m.transfers.reports  # replaced, never changed in place
+            if m.transfers.reports is not self._transfers:  # (replaced, never changed in place)
+                self._transfers = m.transfers.reports
+                self.hub_downloads.refresh()
         if ready.left:
             self.left.set()
 

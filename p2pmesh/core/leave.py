@@ -2,7 +2,9 @@
 next, from its Raft state (pure; core/machine.py carries the step out).
 
 Make before break: a Mac holding model layers first asks the cluster to plan without it
-(Drain) and waits, within its drain time, for the new placement; a leader hands its
+(Drain) and waits, within its drain time, for the new placement, and for a pending placement
+to have its files (the Macs taking layers may be copying them from it, or waiting for its
+download from the hub); a leader hands its
 leadership to the most caught-up voter; then the member's removal is proposed (or forwarded
 to the leader) and the leave ends when the cluster confirms it, or at the deadline, after
 which the cluster treats the Mac as it treats a crash.

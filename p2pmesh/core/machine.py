@@ -685,11 +685,15 @@ class Machine:
             self._propose(RemoveMember(self.node_id, self.inc, "left"), now_ms)
 
     def _holds_layers(self) -> bool:
-        """Whether the serving or the pending placement gives this node model layers."""
+        """Whether the serving or the pending placement gives this node model layers, or a
+        pending placement still fetches its files: the Macs taking the layers may be copying
+        them from this one (its downloads from the hub too). A leave hands both over first."""
         r = self.raft
         if r is None or self.mode is not MEMBER:
             return False
-        return any(s.node_id == self.node_id for s in (*r.state.active, *r.state.placement))
+        s = r.state
+        fetching = s.placement_epoch > s.active_epoch and any(st.node_id not in s.fetched for st in s.placement)
+        return fetching or any(st.node_id == self.node_id for st in (*s.active, *s.placement))
 
     def _finish_leave(self, *, confirmed: bool = False) -> None:
         self.leave_confirmed = confirmed

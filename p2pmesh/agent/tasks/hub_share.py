@@ -9,8 +9,9 @@ file (a link into the Hugging Face cache) only once huggingface_hub has finished
 checked it, and from then on the Mac lists and serves it; a file still downloading is not
 served in part. A stage of several files therefore flows file by file.
 
-A Mac waiting for another's download asks the members again after a short wait (POLL_S,
-doubling), for at most WAIT_S; a downloader that is down, or takes longer than that, is
+A Mac waiting for another's download asks the members again as soon as a member's hub
+downloads change (their transfer reports), else after a short wait (POLL_S, doubling), for
+at most WAIT_S; a downloader that is down, or takes longer than that, is
 replaced by downloading here (the rule is computed again each round over the members that
 are up). The rule follows the placement, which may change while a Mac downloads (a later
 measurement, a probe): a file another Mac is downloading already, as its transfer reports
@@ -93,6 +94,7 @@ async def fetch_from_hub(copier: PeerCopy, repo_id: str, name: str, layers: tupl
         raise models.ModelError(f"the metadata of {name} is unusable: {exc}") from None
     deadline = trio.current_time() + WAIT_S
     wait = POLL_S[0]
+    waiting_on: set[str] = set()  # files another Mac was downloading at the last look
     for _ in range(ROUNDS_MAX):
         missing = [f for f in weights if not (dest / f).is_file()]
         if not missing:
@@ -100,6 +102,12 @@ async def fetch_from_hub(copier: PeerCopy, repo_id: str, name: str, layers: tupl
         plan = _plan(copier, config, wm, needs)
         prefix = f"{name}: "
         elsewhere = {k[len(prefix):]: n for k, n in copier.hub_downloads.now().items() if k.startswith(prefix)}
+        ended = (waiting_on - elsewhere.keys()) & set(missing)
+        waiting_on = set(missing) & elsewhere.keys()
+        if ended:  # a download waited for has ended there: copy it (if it failed, it is ours next round)
+            if await copier.copy_layers(name, layers) is not None:
+                return dest
+            continue
         mine = stage_fetch.hub_files_to_download(missing, plan, me, late=trio.current_time() >= deadline,
                                                  elsewhere=elsewhere)
         if mine:
@@ -109,7 +117,7 @@ async def fetch_from_hub(copier: PeerCopy, repo_id: str, name: str, layers: tupl
                   ", ".join(sorted({elsewhere.get(f) or plan.get(f, me) for f in missing})))
         if await copier.copy_layers(name, layers) is not None:
             return dest
-        await trio.sleep(wait)
+        await copier.hub_downloads.changed(timeout_s=wait)  # a download there started or ended
         wait = min(wait * 2, POLL_S[1])
     raise models.ModelError(f"gave up fetching layers {layers} of {name} after {ROUNDS_MAX} rounds")
 
