@@ -158,6 +158,24 @@ def test_a_mac_leaving_gracefully_drains_first_make_before_break() -> None:
     assert _state(leader_of(d)).active_epoch == pending.placement_epoch
 
 
+def test_a_mac_leaving_while_a_placement_fetches_stays_until_the_files_are_there() -> None:
+    # The Macs taking layers may be copying files from it, or waiting for its download from
+    # the hub: make before break for the files as well (within its drain time).
+    from p2pmesh.core.machine import LeaveRequested, StageFilesFetched
+
+    d, ids = formed(3)
+    state = _serve(d, ids)
+    leaving = next(n for n in ids if n not in {s.node_id for s in state.placement})
+    assert d.run_until(lambda: _state(d.machines[leaving]).placement_epoch == state.placement_epoch, 2_000)
+    d.handle(leaving, LeaveRequested())
+    d.run(2_000)
+    assert any(m.node_id == leaving for m in _state(leader_of(d)).members)  # still there
+    epoch = _state(leader_of(d)).placement_epoch
+    for s in _state(leader_of(d)).placement:
+        d.handle(s.node_id, StageFilesFetched(epoch))
+    assert d.run_until(lambda: all(m.node_id != leaving for m in _state(leader_of(d)).members), 10_000)
+
+
 def test_of_two_macs_the_survivor_keeps_the_model_and_the_merge_keeps_it_too() -> None:
     """Two Macs are the smallest cluster and the commonest: when one dies the other has no
     quorum and continues as a standalone cluster. It used to start that cluster empty, so
