@@ -74,13 +74,17 @@ def allreduce_ms(hidden: int, work: Path) -> float:
     return statistics.median(json.loads(o.decode().strip().splitlines()[-1])["median_ms"] for o in outs)
 
 
-def decode_rate(model: Path, groups: list[Any], prompt: list[int], tokens: int, runs: int, work: Path) -> tuple[float, list[int]]:
+def decode_rate(model: Path, groups: list[Any], prompt: list[int], tokens: int, runs: int,
+                work: Path) -> tuple[float, list[int], list[dict[str, float]]]:
+    """The best decode tokens/s over the runs after the warm-up, the tokens, and that run's
+    phases (ms per decode step) on each group's rank 0 (worker/tensor_run.PHASES)."""
     from tests.worker.tensor_cluster import run_plan
 
     results = run_plan(model, groups, prompt, tokens, work, repeat=runs + 1, timeout_s=600.0)
     head = results[-1][0]
     rates = [(len(r["tokens"]) - 1) / r["decode_s"] for r in head["runs"][1:]]
-    return max(rates), head["tokens"]
+    best = 1 + rates.index(max(rates))
+    return max(rates), head["tokens"], [group[0]["runs"][best]["phases_ms"] for group in results]
 
 
 def main() -> int:
@@ -95,6 +99,7 @@ def main() -> int:
     from p2pmesh.core.ring import Link
     from p2pmesh.worker.measure import layer_decode_ms, model_sizes, usable_memory_bytes
     from p2pmesh.worker.model import load_tokenizer
+    from p2pmesh.worker.tensor_run import PHASES
     from tests.fixtures.tiny_model import make_tiny_model
     from tests.worker.tensor_cluster import GroupPlan
 
@@ -130,12 +135,18 @@ def main() -> int:
         reference = None
         table("mode", "measured tok/s", "predicted tok/s", "measured / predicted")
         for name, (groups, plan) in modes.items():
-            rate, tokens = decode_rate(model, groups, prompt, args.tokens, args.runs, work)
+            rate, tokens, phases = decode_rate(model, groups, prompt, args.tokens, args.runs, work)
             reference = reference or tokens
             assert tokens == reference, f"{name} gave other tokens than one process"
             predicted = 1000.0 / predict_plan(spec, nodes, links, plan).tpot_ms
-            figures["modes"][name] = {"measured_tok_s": rate, "predicted_tok_s": predicted, "ratio": rate / predicted}
+            figures["modes"][name] = {"measured_tok_s": rate, "predicted_tok_s": predicted, "ratio": rate / predicted,
+                                      "phases_ms": phases}
             row(name, f"{rate:.1f}", f"{predicted:.1f}", f"{rate / predicted:.2f}")
+        print("\nwhere a decode step goes, ms on each group's rank 0 (worker/tensor_run.PHASES):")
+        table("mode", "group", *PHASES)
+        for name, figure in figures["modes"].items():
+            for g, phases in enumerate(figure["phases_ms"]):
+                row(name, str(g), *(f"{phases[k]:.2f}" for k in PHASES))
         print(f"\nlayer decode {layer_ms:.3f} ms, 2-rank all-sum of one activation {ar_ms:.3f} ms on loopback; "
               f"every mode gave the same {args.tokens} greedy tokens")
         write_json(args.json, figures)

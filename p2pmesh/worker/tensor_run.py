@@ -22,7 +22,8 @@ sends of the activation where the all-sum costs 2 (s - 1) steps. core/tensor_cos
 charges the all-sum (entry_act, entry_token): an upper bound.
 
 Output: one JSON line per rank at the end, {"event": "done", "rank", "group", "how",
-"tokens", "prefill_s", "decode_s"} (one per --repeat run under "runs"), or exit 3 from the
+"tokens", "runs": [{"tokens", "prefill_s", "decode_s", "phases_ms"}, ...]} (one per --repeat
+run; PHASES says what phases_ms holds), or exit 3 from the
 watchdog (a silent peer hangs MLX forever: faulthandler dumps the stacks and exits).
 """
 from __future__ import annotations
@@ -180,18 +181,29 @@ class GroupRank:
         out: list[int] = []
         t0 = time.perf_counter()
         t_first = t0
+        phases = dict.fromkeys(PHASES, 0.0)  # decode steps only (after the first token)
         for step in range(max_tokens):
-            h = self.shard.forward(self._entry(tokens, length), cache, last_only=True)
+            t_in = time.perf_counter()
+            x = self._entry(tokens, length)
+            t_compute = time.perf_counter()
+            h = self.shard.forward(x, cache, last_only=True)
             token: int | None = None
             if last:
                 token = int(mx.argmax(h[0, -1]).item())
+                t_send = time.perf_counter()
             else:
                 mx.eval(h)
+                t_send = time.perf_counter()
                 if self.rank == 0:
                     assert self.hop is not None
                     payload = _to_bytes(h.astype(mx.float32))
                     self.hop.send({"kind": "activation", "shape": list(h.shape), "nbytes": len(payload)}, payload)
+            t_token = time.perf_counter()
             nxt = self._next_token(token)
+            if step > 0:
+                for name, took in zip(PHASES, (t_compute - t_in, t_send - t_compute, t_token - t_send,
+                                               time.perf_counter() - t_token)):
+                    phases[name] += took
             if nxt >= 0:
                 out.append(nxt)
             tokens = mx.array([[max(nxt, 0)]], dtype=mx.int32)
@@ -199,7 +211,15 @@ class GroupRank:
             if step == 0:
                 t_first = time.perf_counter()
         t_end = time.perf_counter()
-        return {"tokens": out, "prefill_s": t_first - t0, "decode_s": t_end - t_first}
+        steps = max(1, max_tokens - 1)
+        return {"tokens": out, "prefill_s": t_first - t0, "decode_s": t_end - t_first,
+                "phases_ms": {k: round(v * 1000 / steps, 3) for k, v in phases.items()}}
+
+
+PHASES = ("wait_input", "compute", "send", "wait_token")
+"""Where a decode step's time goes on a rank (`phases_ms`, ms per step): waiting for the
+previous group's activation (and its head's fan), the layers with their all-sums, sending
+the activation on, waiting for the sampled token (the first group: the last group's work)."""
 
 
 def _leaves(tree: Any) -> list[Any]:
