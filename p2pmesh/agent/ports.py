@@ -9,8 +9,9 @@
 - ``Inbox``: the send side of the core's one bounded channel; the only way a task speaks
   to the core (inputs are past-tense facts: core/node_io.py).
 - ``HubDownloads``: which files other Macs are downloading from Hugging Face now (their
-  fresh transfer reports), for the one task that asks before downloading (hub_share.py).
-  Kept out of the view: reports change twice a second and nothing waits on them.
+  fresh transfer reports), and ``await changed()`` when that changes, for the one task that
+  asks before downloading (hub_share.py). Kept out of the view: reports change twice a
+  second, and the view's waiters would wake on each.
 - Each task's own configuration is a frozen dataclass beside the task (tasks/*.py), holding
   just what it needs.
 

@@ -193,12 +193,13 @@ class Transfer:
     source: str
     bytes_done: int
     bytes_total: int
+    """Bytes of the files it has to fetch: arrived, and in all (files it had are not counted)."""
     mb_s: float
     """Over the last few seconds."""
     eta_s: float | None
     """Seconds left at that rate; None while unknown."""
     hub_files: tuple[str, ...] = ()
-    """The files ("model: file") it is downloading from the hub right now."""
+    """What it is downloading from the hub right now, each as "model: file"."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import enum
 
-from p2pmesh.core.messages import Peer
+from p2pmesh.core.ids import NodeId
+from p2pmesh.core.messages import ClusterState, Measure, Peer
 from p2pmesh.core.raft import Raft, Role
 
 
@@ -34,6 +35,20 @@ class LeaveStep(enum.Enum):
     """We lead and no other voter remains: propose our own removal."""
     FORWARD_REMOVE = "forward remove"
     """We follow: send our removal to the leader."""
+
+
+def holds_layers(state: ClusterState, node_id: NodeId) -> bool:
+    """Whether the serving or the pending placement gives this node model layers, or a
+    pending placement still fetches the files of the model this node has (it measured it):
+    the Macs taking the layers may be copying them from here, or waiting for its download
+    from the hub. A leave hands both over first (within its drain time)."""
+    if any(s.node_id == node_id for s in (*state.active, *state.placement)):
+        return True
+    name = state.model.name if state.model is not None else None
+    has_model = any(m.node_id == node_id and isinstance(m.measure, Measure) and m.measure.model == name
+                    for m in state.members)
+    fetching = state.placement_epoch > state.active_epoch and any(s.node_id not in state.fetched for s in state.placement)
+    return has_model and fetching
 
 
 def next_step(r: Raft, me: Peer, *, joining: bool, holds_layers: bool, draining: bool,

@@ -685,15 +685,8 @@ class Machine:
             self._propose(RemoveMember(self.node_id, self.inc, "left"), now_ms)
 
     def _holds_layers(self) -> bool:
-        """Whether the serving or the pending placement gives this node model layers, or a
-        pending placement still fetches its files: the Macs taking the layers may be copying
-        them from this one (its downloads from the hub too). A leave hands both over first."""
-        r = self.raft
-        if r is None or self.mode is not MEMBER:
-            return False
-        s = r.state
-        fetching = s.placement_epoch > s.active_epoch and any(st.node_id not in s.fetched for st in s.placement)
-        return fetching or any(st.node_id == self.node_id for st in (*s.active, *s.placement))
+        """Whether a leave has something to hand over first (leave.holds_layers)."""
+        return self.raft is not None and self.mode is MEMBER and leave.holds_layers(self.raft.state, self.node_id)
 
     def _finish_leave(self, *, confirmed: bool = False) -> None:
         self.leave_confirmed = confirmed

@@ -2,8 +2,12 @@
 the whole leave, step after step, is tested in test_leave_confirmed.py and the simulator."""
 from __future__ import annotations
 
-from p2pmesh.core.leave import LeaveStep, next_step, transfer_target
+import dataclasses
+
+from p2pmesh.core.ids import ClusterId, NodeId
+from p2pmesh.core.leave import LeaveStep, holds_layers, next_step, transfer_target
 from p2pmesh.core.machine import Machine
+from p2pmesh.core.messages import Capabilities, ClusterState, Measure, Member, ModelInfo, Stage
 from tests.core.test_machine import a_follower, formed, leader_of
 
 
@@ -45,3 +49,19 @@ def test_a_leader_hands_over_to_the_most_caught_up_voter_once() -> None:
 def test_the_last_voter_finishes_unconfirmed() -> None:
     d, _ = formed(1)
     assert _step(leader_of(d)) is LeaveStep.FINISH
+
+
+def test_what_a_leaving_mac_hands_over_first() -> None:
+    """Its layers (serving or pending); and while a pending placement still fetches, the
+    files of the model it has (it measured it): the others may be copying them from it."""
+    a, b, c = NodeId("a"), NodeId("b"), NodeId("c")
+    caps = Capabilities(1 << 30, "m")
+    measured = Measure("m", 1 << 30, 1.0)
+    members = tuple(Member(n, 1, True, True, (), caps, measure=measured if n != c else None) for n in (a, b, c))
+    state = ClusterState(ClusterId("x"), members, 1, (a, b, c), (), model=ModelInfo("m", 4, 10, 1, 8, 4, 10),
+                         placement_epoch=1, placement=(Stage(a, 0, 4),))
+    assert holds_layers(state, a)  # its layers
+    assert holds_layers(state, b)  # has the model, and a's stage has not its files yet
+    assert not holds_layers(state, c)  # never measured it: nothing anyone copies from it
+    fetched = dataclasses.replace(state, fetched=(a,))
+    assert holds_layers(fetched, a) and not holds_layers(fetched, b)

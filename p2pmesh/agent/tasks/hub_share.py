@@ -11,13 +11,14 @@ served in part. A stage of several files therefore flows file by file.
 
 A Mac waiting for another's download asks the members again as soon as a member's hub
 downloads change (their transfer reports), else after a short wait (POLL_S, doubling), for
-at most WAIT_S; a downloader that is down, or takes longer than that, is
-replaced by downloading here (the rule is computed again each round over the members that
-are up). The rule follows the placement, which may change while a Mac downloads (a later
-measurement, a probe): a file another Mac is downloading already, as its transfer reports
-say (core/transfers.hub_downloads: fresh for 3 s after its last), is waited for and copied,
-not downloaded a second time. The model's metadata (config, index, tokenizer: kilobytes) is copied from a Mac
-that has it where one does (the Mac that described the model), else downloaded.
+at most WAIT_S; a downloader that is down, or takes longer than that, is replaced by
+downloading here (the rule is computed again each round over the members that are up).
+The rule follows the placement, which may change while a Mac downloads (a later
+measurement, a probe, a Mac leaving): a file another Mac is downloading already, as its
+transfer reports say (core/transfers.hub_downloads: fresh for 3 s after its last), is
+waited for and copied, not downloaded a second time. The model's metadata (config, index,
+tokenizer: kilobytes) is copied from a Mac that has it where one does (the Mac that
+described the model), else downloaded.
 
 A model with one weight file and no index is fetched as before (the one file, whoever
 needs it): no rule needed to split it, and every Mac needs it anyway.
