@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pmesh.core.dataplane import RESTARTS_MAX
-from p2pmesh.core.mlx_hostfile import EPOCH_PORT_SLOTS, epoch_base_port
+from p2pmesh.core.mlx_hostfile import EPOCH_PORT_SLOTS, EPOCH_PORT_STRIDE, epoch_base_port
 from tests.agent.harness import ROOT, AgentProc, free_port, one_cluster, wait_for
 from tests.agent.test_inference_loopback import (  # noqa: F401 - fixtures
     FORM_TIMEOUT_S,
@@ -76,8 +76,16 @@ def _hold_data_ports(host: str, base: int) -> Iterator[list[int]]:
         yield ports
 
 
+def _data_port_base() -> int:
+    """A random data port for the first agent (the second's is 50 above) whose every epoch's
+    ports lie below Linux's ephemeral range (32768 up): outgoing connections of other tests
+    take ports from there, and one once held a port this test binds."""
+    span = (EPOCH_PORT_SLOTS - 1) * EPOCH_PORT_STRIDE + 2 + 50
+    return random.Random().randrange(20000, 32768 - span)
+
+
 def test_macs_with_different_data_ports_serve_like_one_process(tmp_path: Path, tiny_model: Path, reference: list[int]) -> None:
-    data = random.Random().randrange(20000, 38000)
+    data = _data_port_base()
     agents = _agents(tmp_path, _two_stage_memory(tiny_model), [data, data + 50])  # the issue's 47100 / 47150
     try:
         for a in agents:
@@ -115,7 +123,7 @@ def _fault(a: AgentProc) -> dict[str, Any] | None:
 
 
 def test_a_rank_whose_data_port_is_taken_is_named_in_status(tmp_path: Path, tiny_model: Path) -> None:
-    data = random.Random().randrange(20000, 38000)
+    data = _data_port_base()
     agents = _agents(tmp_path, _two_stage_memory(tiny_model), [data, data + 50])
     try:
         with _hold_data_ports("127.0.0.3", data + 50) as held:

@@ -65,7 +65,8 @@ def _fetch_events(t0: Any, t1: Any) -> list[Json]:
         if old is None or _step(old) != _step(t):
             out.append({"kind": "fetch_progress", "detail": fetch_sentence(t["node_id"], t["source"], t["bytes_done"],
                                                                            t["bytes_total"], t["mb_s"], t["eta_s"]),
-                        **{k: t[k] for k in ("node_id", "source", "bytes_done", "bytes_total", "mb_s", "eta_s")}})
+                        **{k: t[k] for k in ("node_id", "source", "bytes_done", "bytes_total", "mb_s", "eta_s")},
+                        "hub_files": list(t.get("hub_files") or ())})
     return out
 
 
