@@ -61,11 +61,12 @@ class Hop:
     fan: tuple[socket.socket, ...] = ()
 
     @classmethod
-    def open_head(cls, listen_port: int, next_addr: tuple[str, int], fan_port: int, members: int, deadline: float) -> Hop:
-        """Listen first, then connect (retried until the deadline: the next group may start
-        later), then accept: a connect completes on the backlog, so no order deadlocks."""
-        bind = "127.0.0.1" if next_addr[0] == "127.0.0.1" else "0.0.0.0"
-        server, fan_server = socket.create_server((bind, listen_port)), socket.create_server((bind, fan_port))
+    def open_head(cls, host: str, listen_port: int, next_addr: tuple[str, int], fan_port: int, members: int,
+                  deadline: float) -> Hop:
+        """Listen first (on ``host``, this rank's own address: --hop-fan's, never a wildcard),
+        then connect (retried until the deadline: the next group may start later), then
+        accept: a connect completes on the backlog, so no order deadlocks."""
+        server, fan_server = socket.create_server((host, listen_port)), socket.create_server((host, fan_port))
         try:
             down = _connect(next_addr, deadline)
             up = _accept(server, deadline)
@@ -264,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shares", help="JSON list of [heads, kv_heads, columns] per rank of this group (default: even)")
     p.add_argument("--group", type=int, nargs=2, metavar=("INDEX", "COUNT"), default=(0, 1),
                    help="this group's place in the pipeline of groups")
-    p.add_argument("--hop-listen", type=int, help="rank 0 of a chained group: the port the previous group connects to")
+    p.add_argument("--hop-listen", type=int,
+                   help="rank 0 of a chained group: the port the previous group connects to (on --hop-fan's host)")
     p.add_argument("--hop-next", help="rank 0 of a chained group: HOST:PORT of the next group's rank 0 (the first group's, from the last)")
     p.add_argument("--hop-fan", help="a chained group: HOST:PORT where its rank 0 listens for the group's other ranks")
     p.add_argument("--prompt-ids", required=True, help="JSON list of token ids")
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             host, port = args.hop_next.rsplit(":", 1)
             size = 1 if group is None else group.size()
-            hop = Hop.open_head(args.hop_listen, (host, int(port)), int(fan_port), size, deadline)
+            hop = Hop.open_head(fan_host, args.hop_listen, (host, int(port)), int(fan_port), size, deadline)
         else:
             hop = Hop.open_member((fan_host, int(fan_port)), deadline)
     runner = GroupRank(shard, group, rank, index, count, hop)
