@@ -10,6 +10,7 @@ import pytest
 import trio
 import trio.testing
 
+from p2pmesh.agent.models import ModelError
 from p2pmesh.agent.ports import Inbox, Snapshot, ViewPublisher
 from p2pmesh.agent.tasks import links, measure
 from p2pmesh.agent.tasks.peer_copy import ModelPlaces, PeerCopy
@@ -34,7 +35,7 @@ async def test_the_committed_model_is_measured_once_and_the_offer_capped(tmp_pat
 
     async def fake_measure(copier: PeerCopy, name: str) -> Measure:
         measured.append(name)
-        return Measure(name, 64 << 30, 2.5)
+        return Measure(name, 64 << 30, 2.5, 0.5)
 
     monkeypatch.setattr(measure, "_measure", fake_measure)
     publisher = ViewPublisher(ME)
@@ -47,13 +48,48 @@ async def test_the_committed_model_is_measured_once_and_the_offer_capped(tmp_pat
             await trio.testing.wait_all_tasks_blocked()
             assert measured == []  # no model committed: nothing to do, and no timer running
             _publish(publisher, 3, "tiny")
-            assert await receive.receive() == ModelMeasured(Measure("tiny", 8 << 30, 2.5))
+            assert await receive.receive() == ModelMeasured(Measure("tiny", 8 << 30, 2.5, 0.5))
             _publish(publisher, 4, "tiny")  # another entry, the same model: not measured again
             await trio.testing.wait_all_tasks_blocked()
             assert measured == ["tiny"]
             _publish(publisher, 5, "other")
-            assert await receive.receive() == ModelMeasured(Measure("other", 8 << 30, 2.5))
+            assert await receive.receive() == ModelMeasured(Measure("other", 8 << 30, 2.5, 0.5))
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_a_layer_time_set_by_the_user_keeps_the_measured_fixed_share(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    async def fake_measure(copier: PeerCopy, name: str) -> Measure:
+        return Measure(name, 64 << 30, 2.5, 0.5)
+
+    monkeypatch.setattr(measure, "_measure", fake_measure)
+    publisher = ViewPublisher(ME)
+    send, receive = trio.open_memory_channel[Input](8)
+    copier = PeerCopy(publisher.view, ModelPlaces(tmp_path), ssl.create_default_context())
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(measure.measure_loop, publisher.view, Inbox(send), copier, measure.MeasureConfig(layer_ms=1.0))
+            _publish(publisher, 3, "tiny")
+            assert await receive.receive() == ModelMeasured(Measure("tiny", 64 << 30, 1.0, 0.2))
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("line, fixed", [
+    (b'{"layer_ms": 2.0, "layer_fixed_ms": 0.5, "memory_bytes": 10}', 0.5),
+    (b'{"layer_ms": 2.0, "memory_bytes": 10}', 0.0),  # a worker that does not measure it
+    (b'{"layer_ms": 2.0, "layer_fixed_ms": 3.0, "memory_bytes": 10}', 2.0),
+    (b'{"layer_ms": 2.0, "layer_fixed_ms": -1, "memory_bytes": 10}', 0.0),
+    (b'{"layer_ms": 2.0, "layer_fixed_ms": NaN, "memory_bytes": 10}', 0.0),
+])
+def test_the_measuring_worker_s_line_is_parsed_with_its_fixed_part(line: bytes, fixed: float) -> None:
+    assert measure.parse_measure("m", b"log line\n" + line + b"\n") == Measure("m", 10, 2.0, fixed)
+
+
+@pytest.mark.parametrize("out", [b"", b"not json", b'{"layer_ms": 2.0}', b'{"layer_ms": "x", "memory_bytes": 1}', b"[1]"])
+def test_a_measuring_worker_without_a_result_is_a_model_error(out: bytes) -> None:
+    with pytest.raises(ModelError, match="printed no result"):
+        measure.parse_measure("m", out)
 
 
 @pytest.mark.trio

@@ -150,7 +150,7 @@ def _candidates(state: ClusterState) -> list[Member]:
 def planned_nodes(state: ClusterState) -> list[NodeSpec]:
     """The Macs the leader plans the committed model on: the candidates that measured it."""
     name = state.model.name if state.model else None
-    return [NodeSpec(m.node_id, m.measure.memory_bytes, m.measure.layer_ms) for m in _candidates(state)
+    return [NodeSpec(m.node_id, m.measure.memory_bytes, m.measure.layer_ms, m.measure.layer_fixed_ms) for m in _candidates(state)
             if isinstance(m.measure, Measure) and m.measure.model == name]
 
 

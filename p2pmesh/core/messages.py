@@ -144,11 +144,14 @@ class ModelInfo:
 @register(9)
 @dataclass(frozen=True, slots=True)
 class Measure:
-    """What a member measured for a model: usable memory and one decoder layer's time."""
+    """What a member measured for a model: usable memory and one decoder layer's time, with
+    the part of it that a tensor rank pays whatever its share (worker/measure.py; 0 when the
+    layer could not be cut, and in measurements written before it was measured)."""
 
     model: str
     memory_bytes: int
     layer_ms: float
+    layer_fixed_ms: float = 0.0
 
 
 @register(42)

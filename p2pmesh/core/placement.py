@@ -83,10 +83,12 @@ def predict_tpot(model: ModelSpec, nodes: Sequence[NodeSpec], links: Sequence[Li
     return evaluate(ctx, stage_indices(ctx, stages))[0] / TICKS_PER_MS
 
 
-def predict_plan(model: ModelSpec, nodes: Sequence[NodeSpec], links: Sequence[Link], plan: Plan) -> Plan:
+def predict_plan(model: ModelSpec, nodes: Sequence[NodeSpec], links: Sequence[Link], plan: Plan,
+                 stage_overhead_ms: float = STAGE_OVERHEAD_MS) -> Plan:
     """Any plan (pipeline, tensor or hybrid) re-predicted by the one cost model, its tensor
-    groups split afresh; ValueError when it is not a plan of this model that fits these Macs."""
-    ctx = cost_context(model, nodes, links)
+    groups split afresh; ValueError when it is not a plan of this model that fits these Macs.
+    stage_overhead_ms: as cost_context's."""
+    ctx = cost_context(model, nodes, links, stage_overhead_ms)
     placed = _placed(ctx, tensor_context(model, nodes, links, ctx.ms), plan)
     if placed is None:
         raise ValueError("the plan does not cover this model's layers on these Macs within their memory")
@@ -398,7 +400,11 @@ def parse_scenario(data: object) -> tuple[ModelSpec, list[NodeSpec], list[Link]]
             raise ScenarioError(f'{where}.id must be a non-empty string (at most 256 characters)')
         if any(n.node_id == node_id for n in nodes):
             raise ScenarioError(f"{where}.id {node_id!r} is listed twice")
-        nodes.append(NodeSpec(node_id, _int_field(raw, "memory_bytes", where, 0, BYTES_MAX), _num_field(raw, "layer_ms", where, 0.0, MS_MAX)))
+        layer_ms = _num_field(raw, "layer_ms", where, 0.0, MS_MAX)
+        fixed = raw.get("layer_fixed_ms", 0.0)
+        if isinstance(fixed, bool) or not isinstance(fixed, (int, float)) or not 0.0 <= fixed <= layer_ms:
+            raise ScenarioError(f"{where}.layer_fixed_ms must be a number in [0, layer_ms] ({layer_ms:g})")
+        nodes.append(NodeSpec(node_id, _int_field(raw, "memory_bytes", where, 0, BYTES_MAX), layer_ms, float(fixed)))
     raw_links = data.get("links", [])
     if not isinstance(raw_links, list) or len(raw_links) > LINKS_MAX:
         raise ScenarioError(f'"links" must be a list of at most {LINKS_MAX} link objects')

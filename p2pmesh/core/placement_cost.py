@@ -101,6 +101,10 @@ class NodeSpec:
     node_id: str
     memory_bytes: int
     layer_ms: float
+    layer_fixed_ms: float = 0.0
+    """The part of layer_ms that a tensor rank pays whatever its share of the layer (each
+    operation's dispatch: a kernel launch, a CPU op's overhead), measured by cutting the
+    layer (worker/measure.py); 0 when unknown. Pipelines run whole layers and ignore it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +269,12 @@ def _hops(ids: Sequence[str], links: Sequence[Link], activation_bytes: int) -> t
     return out_f, out_r  # type: ignore[return-value]
 
 
-def cost_context(model: ModelSpec, nodes: Sequence[NodeSpec], links: Sequence[Link]) -> CostContext:
+def cost_context(model: ModelSpec, nodes: Sequence[NodeSpec], links: Sequence[Link],
+                 stage_overhead_ms: float = STAGE_OVERHEAD_MS) -> CostContext:
+    """stage_overhead_ms: the runtime's cost of a stage per token beyond the wire (default
+    STAGE_OVERHEAD_MS); scripts/bench_tensor.py passes the one it measures."""
+    if not (math.isfinite(stage_overhead_ms) and 0 <= stage_overhead_ms <= HOP_MS_MAX):
+        raise ScenarioError(f"a stage's overhead is a number of ms in [0, {HOP_MS_MAX:g}], not {stage_overhead_ms}")
     _check_model(model)
     _check_nodes(nodes)
     per_layer = model.bytes_per_layer
@@ -286,7 +295,7 @@ def cost_context(model: ModelSpec, nodes: Sequence[NodeSpec], links: Sequence[Li
         cap_both=tuple(cap(n.memory_bytes - 2 * e) for n in nodes),
         fwd=tuple(tuple(r) for r in fwd),
         ret=tuple(tuple(r) for r in ret),
-        overhead=to_ticks(STAGE_OVERHEAD_MS),
+        overhead=to_ticks(stage_overhead_ms),
     )
 
 

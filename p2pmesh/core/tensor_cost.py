@@ -9,10 +9,16 @@ query heads per KV head, so no KV head is held twice), and a share of the MLP co
 whole). Shares may be uneven and a rank may hold no KV head: 3 Macs split 8 KV heads 3/3/2.
 
 Per layer and token (decode is memory-bound, so a rank's time is the bytes it reads of the
-layer over its bandwidth, which its measured layer_ms already folds in):
+layer over its bandwidth, which its measured layer_ms already folds in, plus the part of
+layer_ms that no split divides, fixed_ms: each operation's dispatch, which a rank pays
+whatever its share; worker/measure.py measures it by timing the layer cut to a quarter):
 
-    layer = max_r (layer_ms_r x attention bytes read by r / bytes read)  + all-reduce
-          + max_r (layer_ms_r x MLP bytes read by r / bytes read)        + all-reduce
+    part_r(x) = fixed_ms_r x x / bytes read + (layer_ms_r - fixed_ms_r) x x_r / bytes read
+    layer = max_r part_r(attention)  + all-reduce  +  max_r part_r(MLP)  + all-reduce
+
+where x is what the whole layer reads of that sublayer and x_r what rank r reads of it (the
+fixed part goes with the sublayer in proportion to its bytes; a rank with no share of a
+sublayer pays nothing there).
 
 The bytes of a layer are split by parameter count (q, o: 2 h^2; k, v: 2 h (K h / H); MLP:
 3 h I), or by the model's attention_bytes when it says them; the KV cache of the configured
@@ -24,7 +30,8 @@ activation_bytes, hidden_size x bytes per element) over s ranks takes 2 (s - 1) 
 the slowest ring edge's latency + (B / s) / bandwidth. The latency of an edge is
 RDMA_LATENCY_MS when every edge of the group's ring has an RDMA link (the workers then use
 JACCL), else half the link's measured RTT (MLX's ring backend over TCP). Shares minimise the
-maximum rank time (min-max integer allocation in proportion to speed), or, as a second
+maximum rank time (min-max integer allocation by the part of a layer that a split divides,
+each rank's fixed part an offset it pays once it holds anything), or, as a second
 candidate when memory is tight, the maximum rank's bytes per free byte.
 
 Memory of a rank: layers x its bytes per layer (weights and KV cache of its KV heads); the
@@ -118,26 +125,51 @@ def tensor_shape(model: ModelSpec) -> TensorShape | None:
                        s.active_layer_bytes + cache, s.even_split)
 
 
-def split(weights: Sequence[int], total: int, prefer: Sequence[int] | None = None) -> list[int]:
-    """Integer x_r summing to total that minimise max_r weights[r] * x_r (weights > 0): the
-    proportional floors of the continuous optimum less one (never above an optimal split), then
-    one unit at a time to the rank whose cost grows least. Ties go to the larger ``prefer``
-    (the group's memory: the split then fits more layers, and the same Macs in the other order
-    get the same split), then to the earlier rank. Exact; at most ~2 s units go one by one."""
-    pref = list(prefer) if prefer is not None else [0] * len(weights)
-    inv = [1.0 / w for w in weights]
-    t_c = total / sum(inv)  # the continuous optimum: every rank at the same cost
-    x = [max(0, math.floor(t_c * v) - 1) for v in inv]
+def split(weights: Sequence[int], total: int, prefer: Sequence[int] | None = None,
+          offsets: Sequence[int] | None = None) -> list[int]:
+    """Integer x_r summing to total that minimise max_r cost_r(x_r), where cost_r(x) =
+    offsets[r] + weights[r] * x for x > 0 and 0 for x = 0 (weights > 0; offsets >= 0: the
+    fixed part a rank pays once it holds anything, default none): from the continuous
+    optimum's floors less one (never above an optimal split), one unit at a time to the rank
+    whose cost grows to the least. Ties go to the larger ``prefer`` (the group's memory: the
+    split then fits more layers, and the same Macs in the other order get the same split),
+    then to the earlier rank. Exact (greedy is optimal for a min-max of nondecreasing costs);
+    at most ~2 s units go one by one."""
+    n = len(weights)
+    pref = list(prefer) if prefer is not None else [0] * n
+    off = list(offsets) if offsets is not None else [0] * n
+    x = [max(0, math.floor((t_c - c) / w) - 1) for w, c in zip(weights, off)] if (t_c := _level(weights, off, total)) else [0] * n
     while sum(x) > total:  # float slop only: bounded by len(x)
-        r = max(range(len(x)), key=lambda i: (weights[i] * x[i], -pref[i], i))
+        r = max(range(n), key=lambda i: (off[i] + weights[i] * x[i], -pref[i], i))
         x[r] -= 1
-    heap = [(w * (v + 1), -p, i) for i, (w, v, p) in enumerate(zip(weights, x, pref))]
+
+    def cost_after(i: int) -> int:
+        return off[i] + weights[i] * (x[i] + 1)
+
+    heap = [(cost_after(i), -pref[i], i) for i in range(n)]
     heapq.heapify(heap)
     for _ in range(total - sum(x)):  # bounded: ~2 len(x) units
         _, _, r = heapq.heappop(heap)
         x[r] += 1
-        heapq.heappush(heap, (weights[r] * (x[r] + 1), -pref[r], r))
+        heapq.heappush(heap, (cost_after(r), -pref[r], r))
     return x
+
+
+def _level(weights: Sequence[int], offsets: Sequence[int], total: int) -> float:
+    """The continuous optimum's cost t: sum over ranks of max(0, (t - offset) / weight) = total
+    (every rank that holds anything at the same cost)."""
+    if total <= 0:
+        return 0.0
+    order = sorted(range(len(weights)), key=lambda i: offsets[i])
+    inv = num = 0.0
+    t = 0.0
+    for pos, i in enumerate(order):  # add ranks in the order of their offsets
+        inv += 1.0 / weights[i]
+        num += offsets[i] / weights[i]
+        t = (total + num) / inv
+        if pos + 1 == len(order) or t <= offsets[order[pos + 1]]:
+            break
+    return t
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +191,7 @@ class TensorContext:
     ids: tuple[str, ...]
     layers: int
     ms: tuple[int, ...]  # ticks per whole layer, as placement_cost
+    fixed: tuple[int, ...]  # ticks of it that a rank pays whatever its share (NodeSpec.layer_fixed_ms)
     memory: tuple[int, ...]
     embed: int
     activation_bytes: int
@@ -186,7 +219,8 @@ def tensor_context(model: ModelSpec, nodes: Sequence[NodeSpec], links: Sequence[
     conns: dict[tuple[int, int], list[tuple[float, float, bool]]] = {}
     for (i, j, _kind, rdma), (gbps, rtt) in sorted(groups.items()):
         conns.setdefault((i, j), []).append((gbps, rtt, rdma))
-    return TensorContext(ids, model.layers, tuple(ms), tuple(n.memory_bytes for n in nodes), model.embed_bytes,
+    fixed = tuple(min(m, to_ticks(n.layer_fixed_ms)) for m, n in zip(ms, nodes))
+    return TensorContext(ids, model.layers, tuple(ms), fixed, tuple(n.memory_bytes for n in nodes), model.embed_bytes,
                          model.activation_bytes, shape, {k: tuple(v) for k, v in conns.items()})
 
 
@@ -239,13 +273,17 @@ def group_cost(tctx: TensorContext, ranks: tuple[int, ...], by_memory: bool = Fa
             return None
         w = _weights_by_memory([tctx.memory[r] for r in ranks])
     else:
-        w = [tctx.ms[r] for r in ranks]
+        # The part of a layer that a split divides, per unit; the fixed part is an offset
+        # (split's offsets, in the same units: fixed x units in the whole layer).
+        w = [max(1, tctx.ms[r] - tctx.fixed[r]) for r in ranks]
     # Split in the order of the ring positions, whatever the group's ring order: the same
     # Macs get the same split both ways round (and the search reuses it).
     canon = sorted(range(len(ranks)), key=lambda t: ranks[t])
     cw, mem = [w[t] for t in canon], [tctx.memory[ranks[t]] for t in canon]
+    fixed = [0 if by_memory else tctx.fixed[ranks[t]] for t in canon]
     kv, cols = [0] * len(ranks), [0] * len(ranks)
-    for t, k, b in zip(canon, split(cw, sh.kv_heads, mem), split(cw, sh.blocks, mem)):
+    for t, k, b in zip(canon, split(cw, sh.kv_heads, mem, [f * sh.kv_heads for f in fixed]),
+                       split(cw, sh.blocks, mem, [f * sh.blocks for f in fixed])):
         kv[t], cols[t] = k, b
     return split_cost(tctx, ranks, kv, cols)
 
@@ -253,9 +291,12 @@ def group_cost(tctx: TensorContext, ranks: tuple[int, ...], by_memory: bool = Fa
 def split_cost(tctx: TensorContext, ranks: tuple[int, ...], kv: Sequence[int], cols: Sequence[int]) -> GroupCost:
     """The costs of a group with a given split: KV heads and MLP column blocks per rank."""
     sh = tctx.shape
-    # A rank's time is layer_ms x its share of the bytes a token reads (dense: of the layer).
-    attn = max(round(tctx.ms[r] * k * sh.attn_read_per_kv / sh.read_bytes) for r, k in zip(ranks, kv))
-    mlp = max(round(tctx.ms[r] * b * sh.mlp_read_per_block / sh.read_bytes) for r, b in zip(ranks, cols))
+    # A rank's time is its fixed part of the sublayer plus the rest of layer_ms x its share of
+    # the bytes a token reads (dense: of the layer); none at all without a share.
+    attn_whole = sh.kv_heads * sh.attn_read_per_kv / sh.read_bytes
+    mlp_whole = sh.blocks * sh.mlp_read_per_block / sh.read_bytes
+    attn = max(_part(tctx, r, attn_whole, k * sh.attn_read_per_kv / sh.read_bytes) for r, k in zip(ranks, kv))
+    mlp = max(_part(tctx, r, mlp_whole, b * sh.mlp_read_per_block / sh.read_bytes) for r, b in zip(ranks, cols))
     act = allreduce_ticks(tctx, ranks, tctx.activation_bytes)
     need = [math.ceil(k * sh.attn_bytes_per_kv + b * sh.mlp_bytes_per_block) for k, b in zip(kv, cols)]
     L = tctx.layers
@@ -279,6 +320,14 @@ def split_cost(tctx: TensorContext, ranks: tuple[int, ...], kv: Sequence[int], c
         entry_token=allreduce_ticks(tctx, ranks, TOKEN_BYTES),
         entry_act=act,
     )
+
+
+def _part(tctx: TensorContext, r: int, whole: float, share: float) -> int:
+    """Ticks of rank r for its share of a sublayer that is `whole` of the layer's reads."""
+    if share <= 0:
+        return 0
+    fixed = tctx.fixed[r]
+    return round(fixed * whole + (tctx.ms[r] - fixed) * share)
 
 
 def group_costs(tctx: TensorContext, ranks: tuple[int, ...]) -> list[GroupCost]:

@@ -148,6 +148,8 @@ def command_problem(cmd: object) -> str | None:
         m = cmd.measure
         if m.memory_bytes < 0 or not (0 < m.layer_ms < LAYER_MS_MAX):
             return f"a measurement needs memory >= 0 and a layer time in (0, {LAYER_MS_MAX:g}) ms"
+        if not 0 <= m.layer_fixed_ms <= m.layer_ms:
+            return "a measurement's fixed part of a layer is in [0, the layer's time]"
     return None
 
 

@@ -114,14 +114,16 @@ def load_tensor_shard(path: str | Path, start: int, end: int, shares: Sequence[S
         how = "mlx-lm"
     else:
         for layer in shard.model.model.layers:
-            _shard_layer(layer, shard.config, shares, rank, group)
+            shard_layer(layer, shard.config, shares, rank, group)
         how = "own"
     mx.eval(shard.model.parameters())
     return shard, how
 
 
-def _shard_layer(layer: nn.Module, config: dict[str, Any], shares: Sequence[Share], rank: int,
-                 group: mx.distributed.Group) -> None:
+def shard_layer(layer: nn.Module, config: dict[str, Any], shares: Sequence[Share], rank: int,
+                group: mx.distributed.Group) -> None:
+    """Cut one decoder layer, in place, down to shares[rank] (this module's own sharding;
+    worker/measure.py times a layer cut this way with a group of one)."""
     kv_sizes = [s.kv_heads for s in shares]
     col_sizes = [s.columns for s in shares]
     attn = layer.self_attn

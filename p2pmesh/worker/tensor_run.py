@@ -273,7 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--repeat", type=int, default=1, help="generate this many times (a benchmark's warm-up and runs)")
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--cpu", type=int, help="run on this CPU only (Linux; a benchmark's ranks sharing one host, each on its own core)")
     args = p.parse_args(argv)
+    if args.cpu is not None:  # before MLX starts its threads: they inherit the mask
+        if not hasattr(os, "sched_setaffinity"):
+            p.error("--cpu needs sched_setaffinity (Linux)")
+        try:
+            os.sched_setaffinity(0, {args.cpu})
+        except (OSError, ValueError) as e:
+            p.error(f"--cpu {args.cpu}: {e}")
     faulthandler.dump_traceback_later(args.timeout_s, exit=True)  # exits 1 after dumping every thread's stack
     deadline = time.monotonic() + args.timeout_s
 

@@ -182,6 +182,14 @@ def test_a_failed_measurement_is_bounded_and_spoken_for_by_its_own_member() -> N
     assert validate.forwarded_problem(ok, "n1") == "a member may only speak for itself"
 
 
+def test_a_measurement_s_fixed_part_is_within_its_layer_time_and_reaches_the_planner() -> None:
+    assert validate.command_problem(PublishMeasure("n0", 1, Measure("tiny", 10**9, 0.5, 0.1))) is None
+    for fixed in (-0.1, 0.6, float("nan")):
+        assert validate.command_problem(PublishMeasure("n0", 1, Measure("tiny", 10**9, 0.5, fixed))) is not None
+    state = _cluster([Measure("tiny", 10**9, 0.5, 0.125)] * 2)
+    assert [n.layer_fixed_ms for n in fit.planned_nodes(state)] == [0.125, 0.125]
+
+
 @pytest.mark.parametrize("measures", [[None, Measure("tiny", THIRD, 0.5)], [Measure("other", 10**9, 0.5), None]])
 def test_no_verdict_while_a_member_has_not_measured_this_model(measures: list[Measure | None]) -> None:
     assert fit.problem(_cluster(measures)) is None

@@ -137,6 +137,55 @@ def test_group_cost_matches_the_formula_by_hand() -> None:
     assert plan.tpot_ms == pytest.approx(model.layers * per_layer + STAGE_OVERHEAD_MS, abs=1e-3)
 
 
+def test_a_fixed_part_of_the_layer_is_paid_by_every_rank() -> None:
+    """The part of layer_ms that no split divides (an op's dispatch; worker/measure.py
+    measures it by cutting the layer) is paid whole by each of the four ranks."""
+    model, nodes, links = _load("tp4-ultra-rdma")
+    fixed = [_with_fixed(n, 0.25) for n in nodes]
+    ctx = cost_context(model, fixed, links)
+    tctx = tensor_context(model, fixed, links, ctx.ms)
+    assert tctx is not None
+    [u] = group_costs(tctx, (0, 1, 2, 3))
+    ms, f = fixed[0].layer_ms, fixed[0].layer_fixed_ms
+    per_layer = f + (ms - f) / 4 + 2 * _ar_ms(links, [n.node_id for n in nodes], 16384)
+    assert u.per_layer / TICKS_PER_MS == pytest.approx(per_layer, abs=1e-5)
+    plan = solve_placement(model, fixed, links)
+    assert plan.parallelism == "tensor" and plan.tpot_ms > solve_placement(model, nodes, links).tpot_ms
+    assert plan.tpot_ms <= _single(model, fixed)
+    # A whole layer on one rank costs its layer_ms, fixed part included, and a rank with no
+    # share of a sublayer pays nothing there (it only joins the all-sum).
+    ctx2 = cost_context(model, fixed[:2], links)
+    t2 = tensor_context(model, fixed[:2], links, ctx2.ms)
+    assert t2 is not None
+    lopsided = split_cost(t2, (0, 1), [t2.shape.kv_heads, 0], [t2.shape.blocks, 0])
+    assert lopsided.per_layer / TICKS_PER_MS == pytest.approx(ms + 2 * _ar_ms(links, ["ultra0", "ultra1"], 16384), abs=1e-5)
+
+
+def test_a_fixed_part_shifts_an_uneven_split_towards_the_faster_mac() -> None:
+    """Shares go in proportion to the part of a layer that a split divides: of two Macs with
+    the same layer_ms, the one whose time is more fixed gets less of the layer."""
+    model, nodes, links = _load("tp2-ultra-max-rdma")
+    same = [NodeSpec(n.node_id, n.memory_bytes, nodes[0].layer_ms) for n in nodes]
+    even = solve_placement(model, same, links, parallelism="tensor").groups[0]
+    assert even.shares[0] == even.shares[1]
+    skewed = [_with_fixed(same[0], 0.0), _with_fixed(same[1], 0.5)]
+    uneven = solve_placement(model, skewed, links, parallelism="tensor").groups[0]
+    by = dict(zip(uneven.node_ids, uneven.shares))
+    assert by[same[0].node_id].columns > by[same[1].node_id].columns
+
+
+def test_a_measured_stage_overhead_replaces_the_default() -> None:
+    model, nodes, links = _load("tp4-ultra-rdma")
+    plan = solve_placement(model, nodes, links, parallelism="hybrid")
+    stages = len(plan.layout)
+    base = predict_plan(model, nodes, links, plan)
+    slower = predict_plan(model, nodes, links, plan, stage_overhead_ms=STAGE_OVERHEAD_MS + 1.0)
+    assert slower.tpot_ms == pytest.approx(base.tpot_ms + stages * 1.0, abs=1e-6)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ScenarioError):
+            predict_plan(model, nodes, links, plan, stage_overhead_ms=bad)
+
+
 def test_rdma_counts_only_when_every_edge_of_the_ring_has_it() -> None:
     model, nodes, links = _load("tp3-ultra-rdma")
     ctx = cost_context(model, nodes, links)
@@ -166,6 +215,25 @@ def test_split_is_the_min_max_optimum(seed: int) -> None:
         assert max(a * b for a, b in zip(w, x)) == best
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_split_with_fixed_offsets_is_the_min_max_optimum(seed: int) -> None:
+    """A rank that holds anything pays its offset (the fixed part of a layer) on top."""
+    rng = random.Random(seed)
+
+    def cost(w: list[int], off: list[int], c: tuple[int, ...] | list[int]) -> int:
+        return max((o + a * b) if b else 0 for a, o, b in zip(w, off, c))
+
+    for _ in range(200):
+        n = rng.randint(1, 4)
+        w = [rng.choice([1, 2, 3, 5, 7, 10**9]) for _ in range(n)]
+        off = [rng.choice([0, 0, 1, 4, 9, 10**9, 3 * 10**9]) for _ in range(n)]
+        total = rng.randint(0, 9)
+        x = split(w, total, offsets=off)
+        assert sum(x) == total and min(x) >= 0
+        best = min(cost(w, off, c) for c in itertools.product(range(total + 1), repeat=n) if sum(c) == total)
+        assert cost(w, off, x) == best
+
+
 # --- the search against brute force over every chain of groups -------------------------------------
 
 
@@ -176,9 +244,18 @@ def _shape_model(rng: random.Random, layers: int) -> ModelSpec:
                      rng.choice([0, 0, 50]), SplitShape(64 * heads // 4, heads, kv, rng.choice([64, 128, 96])))
 
 
+FIXED_SHARES = (0.0, 0.0, 0.2, 0.6, 1.0)
+"""How much of a node's layer_ms no split divides (NodeSpec.layer_fixed_ms / layer_ms)."""
+
+
+def _with_fixed(node: NodeSpec, share: float) -> NodeSpec:
+    return NodeSpec(node.node_id, node.memory_bytes, node.layer_ms, node.layer_ms * share)
+
+
 def _case(rng: random.Random, n: int, layers: int) -> tuple[ModelSpec, list[NodeSpec], list[Link]]:
     model = _shape_model(rng, layers)
-    nodes = [NodeSpec(f"n{i}", rng.choice([60, 150, 300, 700, 10**6]), rng.choice([0.5, 1.0, 2.0, 3.0])) for i in range(n)]
+    nodes = [_with_fixed(NodeSpec(f"n{i}", rng.choice([60, 150, 300, 700, 10**6]), rng.choice([0.5, 1.0, 2.0, 3.0])),
+                         rng.choice(FIXED_SHARES)) for i in range(n)]
     links = [Link(f"n{i}", f"n{j}", rng.choice(["thunderbolt", "ethernet"]), rng.choice([10.0, 80.0]),
                   rng.choice([None, 0.01, 0.3, 2.0]), rng.random() < 0.5)
              for i in range(n) for j in range(i + 1, n) if rng.random() < 0.8]
@@ -257,7 +334,8 @@ def clusters(draw: st.DrawFn) -> tuple[ModelSpec, list[NodeSpec], list[Link]]:
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     n = draw(st.integers(1, 6))
     model = _shape_model(rng, draw(st.integers(1, 24)))
-    nodes = [NodeSpec(f"n{i}", draw(st.sampled_from([0, 100, 400, 2000, 10**5, 10**7])), draw(st.sampled_from([0.3, 1.0, 1.5, 4.0])))
+    nodes = [_with_fixed(NodeSpec(f"n{i}", draw(st.sampled_from([0, 100, 400, 2000, 10**5, 10**7])),
+                                  draw(st.sampled_from([0.3, 1.0, 1.5, 4.0]))), draw(st.sampled_from(FIXED_SHARES)))
              for i in range(n)]
     links = [Link(f"n{i}", f"n{(i + 1) % n}", "thunderbolt", draw(st.sampled_from([10.0, 80.0])),
                   draw(st.sampled_from([0.01, 0.3])), draw(st.booleans())) for i in range(n) if n > 1]

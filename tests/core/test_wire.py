@@ -120,7 +120,7 @@ EXAMPLES: dict[type, list[Any]] = {
     RingHop: [HOP],
     PublishPorts: [PublishPorts(A, 7, (PORT,), (PROBE,)), PublishPorts(B, 1, (), ())],
     ModelInfo: [MODEL],
-    Measure: [Measure("m", 2**36, 0.61)],
+    Measure: [Measure("m", 2**36, 0.61), Measure("m", 2**36, 0.61, 0.12)],
     MeasureFailed: [MeasureFailed("m", "model_type 'phi3' is not supported")],
     Stage: [Stage(A, 0, 40)],
     SetModel: [SetModel(MODEL), SetModel(None)],

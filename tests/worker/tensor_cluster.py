@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,9 @@ class TensorRunError(AssertionError):
 
 
 def run_plan(model: Path, groups: list[GroupPlan], prompt: list[int], max_tokens: int, workdir: Path,
-             *, repeat: int = 1, timeout_s: float = 180.0) -> list[list[dict[str, Any]]]:
-    """Each group's ranks' final JSON lines, in group and rank order."""
+             *, repeat: int = 1, timeout_s: float = 180.0, cpus: Sequence[int] = ()) -> list[list[dict[str, Any]]]:
+    """Each group's ranks' final JSON lines, in group and rank order. cpus: rank r of every
+    group runs on cpus[r % len(cpus)] only (tensor_run --cpu; none: wherever Linux puts it)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("MLX_RANK", None)
     env.pop("MLX_HOSTFILE", None)
@@ -66,6 +68,8 @@ def run_plan(model: Path, groups: list[GroupPlan], prompt: list[int], max_tokens
                        "--timeout-s", str(timeout_s - 10)]
                 if g.shares is not None:
                     cmd += ["--shares", json.dumps(g.shares)]
+                if cpus:
+                    cmd += ["--cpu", str(cpus[rank % len(cpus)])]
                 if hop_ports:
                     cmd += ["--hop-fan", f"127.0.0.1:{fan_ports[gi]}"]
                     if rank == 0:

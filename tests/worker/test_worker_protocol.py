@@ -130,6 +130,21 @@ def test_measure_reports_sizes_from_the_headers_and_a_layer_time(tmp_path: Path,
     assert out["embed_bytes"] == 4 * vocab * 64 and out["head_bytes"] == 0  # tied
     assert out["kv_bytes_per_token_per_layer"] == 2 * 2 * 16 * 4 and out["activation_bytes"] == 64 * 4
     assert out["layers"] == 4 and out["layer_ms"] > 0 and out["memory_bytes"] > 0
+    # Cut in half (2 KV heads do not split 4 ways): the share's time, and the fixed part
+    # F = (share - whole / 2) / (1 - 1 / 2), kept within [0, whole].
+    assert out["split_ranks"] == 2 and out["split_layer_ms"] > 0
+    expected = min(out["layer_ms"], max(0.0, (out["split_layer_ms"] - out["layer_ms"] / 2) / 0.5))
+    assert out["layer_fixed_ms"] == pytest.approx(expected, abs=2e-4)
+
+
+def test_measure_of_a_layer_it_cannot_cut_reports_no_fixed_part(tmp_path: Path) -> None:
+    """deepseek_v3's MLA attention has no q/k/v/o to cut (worker/tensor.py): the layer is
+    timed whole and its fixed part is unknown, 0."""
+    from p2pmesh.worker.measure import layer_times
+
+    path = make_tiny_model(tmp_path / "m", "deepseek_v3", 3, 64, heads=4, kv_heads=4, intermediate=128)
+    times = layer_times(path, 3, context=16)
+    assert times.layer_ms > 0 and (times.fixed_ms, times.split_ranks, times.split_ms) == (0.0, 0, 0.0)
 
 
 def test_error_events_carry_a_known_code() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
@@ -59,9 +60,12 @@ async def measure_loop(view: ClusterView, inbox: Inbox, copier: PeerCopy, config
                 measure = await _measure(copier, model.name)
                 limit = config.memory_limit_bytes
                 if limit is not None and measure.memory_bytes > limit:
-                    measure = Measure(measure.model, limit, measure.layer_ms)
+                    measure = dataclasses.replace(measure, memory_bytes=limit)
                 if config.layer_ms is not None:
-                    measure = Measure(measure.model, measure.memory_bytes, config.layer_ms)
+                    # The user's time per layer, with the measured share of it that is fixed.
+                    fixed_share = measure.layer_fixed_ms / measure.layer_ms if measure.layer_ms > 0 else 0.0
+                    measure = dataclasses.replace(measure, layer_ms=config.layer_ms,
+                                                  layer_fixed_ms=config.layer_ms * fixed_share)
             except ModelUnloadable as exc:
                 # The cluster hears it at once (core/fit.py): no waiting for retries.
                 retry_at = trio.current_time() + MEASURE_RETRY_S
@@ -100,8 +104,18 @@ async def _measure(copier: PeerCopy, name: str) -> Measure:
         raise ModelUnloadable(lines[-1].removeprefix("measure: "))
     if result.returncode != 0:
         raise ModelError(f"the measuring worker failed: {result.stderr.decode(errors='replace')[-500:]}")
+    return parse_measure(name, result.stdout)
+
+
+def parse_measure(name: str, stdout: bytes) -> Measure:
+    """The measuring worker's last line (worker/measure.py); ModelError when it has no result.
+    A worker that does not say a fixed part (or says one outside [0, layer_ms]) gives 0 or
+    the nearest bound: the planner then splits layers as if all of them divided."""
     try:
-        data = json.loads(result.stdout.decode().strip().splitlines()[-1])
-        return Measure(name, int(data["memory_bytes"]), float(data["layer_ms"]))
-    except (ValueError, KeyError, IndexError, TypeError):
+        data = json.loads(stdout.decode().strip().splitlines()[-1])
+        layer_ms = float(data["layer_ms"])
+        fixed = float(data.get("layer_fixed_ms", 0.0))
+        fixed = min(layer_ms, fixed) if fixed > 0 else 0.0  # NaN and negatives: 0
+        return Measure(name, int(data["memory_bytes"]), layer_ms, fixed)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise ModelError("the measuring worker printed no result") from None
