@@ -2,24 +2,31 @@
 """Tensor parallelism on this machine: decode tokens/s of one process, a 2-stage pipeline, a
 2-rank tensor group and a 2x2 hybrid, each against the planner's prediction.
 
-    .venv/bin/python scripts/bench_tensor.py [--hidden 512] [--layers 8] [--tokens 32] [--runs 2] [--json [FILE]]
+    .venv/bin/python scripts/bench_tensor.py [--hidden 512] [--layers 8] [--tokens 32]
+        [--rounds 3] [--runs 4] [--no-pin] [--json [FILE]]
 
 Every mode runs the same greedy request on the same model with the same worker
 (`p2pmesh.worker.tensor_run`, tests/worker/tensor_cluster.py): MLX ring groups on loopback
 for tensor groups, TCP hops between groups. Tokens/s = (n - 1) / decode seconds on the last
-group's rank 0, best of --runs after one warm-up run in the same processes.
+group's rank 0; a mode's figure in a round is the median of --runs requests after one
+warm-up in the same processes.
 
-Prediction: core/placement.predict_plan on 4 equal Macs whose layer_ms and layer_fixed_ms
-are the measured decode time of one layer here and the part of it that a split does not
-divide (worker/measure.layer_times: the layer whole and cut to a quarter; best of --runs)
-and whose links all have
-rtt_ms = the measured latency of a 2-rank all-sum of one activation on loopback (the cost
-model's 2-rank all-reduce is 2 steps of rtt/2) and a nominal loopback bandwidth; ratio =
-measured / predicted tokens/s (target: within 30%, i.e. 0.7-1.3).
+Rounds: this VM's speed drifts by 20% from one second to the next (other tenants), so each
+round measures the cost model's inputs and then runs every mode, and a round's ratio
+compares figures taken within seconds of each other; the table gives every round's ratio
+and their median. Rank r of every group runs on the r-th CPU (tensor_run --cpu; --no-pin:
+wherever Linux puts it), as each rank has its own Mac's cores; the probes are pinned alike.
 
-Expected here: tensor is slower than one process: a decode step of a small model is far
-cheaper than the two all-reduces per layer over MLX's ring (TCP), and the 2 cores are shared
-by all ranks (MLX's ring busy-polls a core while it waits).
+Prediction: core/placement.predict_plan on 4 equal Macs with the inputs measured in the round:
+- layer_ms and layer_fixed_ms: worker/measure.layer_times at the requests' mean context (the
+  layer whole and cut to a quarter: the part of it that a split does not divide);
+- every link's rtt_ms: what one 2-rank all-sum of an activation costs inside a decode step
+  (a 2-rank group's step over every layer cut in half, less the same half layers computed
+  by two processes alone, per all-sum; the cost model's 2-rank all-reduce is 2 steps of
+  rtt/2), or the lockstep all-sum's latency if that is more; a nominal loopback bandwidth;
+- the stage overhead: one hop of tensor_run's messages between two processes, the receiver
+  idle for the other stage's compute, less the wire's rtt/2 (the runtime's send and receive).
+Ratio = measured / predicted tokens/s (target: within 30%, i.e. 0.7-1.3).
 """
 from __future__ import annotations
 

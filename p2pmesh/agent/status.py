@@ -35,6 +35,10 @@ def status_json(snapshot: Snapshot, state_dir: Path, load: LoadReport | None = N
                 # What it measured it can give the model's layers (--memory-limit caps it), None before
                 # it measured the model (or when it cannot load it).
                 "offer_bytes": mem.measure.memory_bytes if isinstance(mem.measure, Measure) else None,
+                # The planner's time inputs for the model (docs/placement.md): one layer's decode
+                # step, and the part of it a tensor rank pays whatever its share.
+                "layer_ms": mem.measure.layer_ms if isinstance(mem.measure, Measure) else None,
+                "layer_fixed_ms": mem.measure.layer_fixed_ms if isinstance(mem.measure, Measure) else None,
             })
         ring = ring_json(state)
         placement = placement_json(state)

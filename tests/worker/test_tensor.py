@@ -12,6 +12,7 @@ own generate_step on the whole model in this process.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,17 @@ def test_rank_with_no_share_and_a_pipeline_of_single_ranks(tmp_path: Path) -> No
     idle = [GroupPlan(0, LAYERS, 3, [[8, 4, 128], [4, 2, 64], [0, 0, 0]])]
     assert_same_tokens(run_plan(model, idle, prompt, MAX_TOKENS, tmp_path), ref, ["own"])
     pipeline = [GroupPlan(0, 1, 1), GroupPlan(1, LAYERS, 1)]
-    assert_same_tokens(run_plan(model, pipeline, prompt, MAX_TOKENS, tmp_path), ref, ["whole", "whole"])
+    # Pinned as scripts/bench_tensor.py runs ranks (tensor_run --cpu): the same tokens.
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    assert_same_tokens(run_plan(model, pipeline, prompt, MAX_TOKENS, tmp_path, cpus=cpus), ref, ["whole", "whole"])
+
+
+def test_a_cpu_that_is_not_there_is_refused_before_anything_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    from p2pmesh.worker.tensor_run import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "/nonexistent", "--layers", "0", "1", "--prompt-ids", "[1]", "--cpu", str(1 << 20)])
+    assert exit_.value.code == 2 and "--cpu" in capsys.readouterr().err
 
 
 def test_bad_shares_are_refused_before_any_group_forms(tmp_path: Path) -> None:
