@@ -98,6 +98,8 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class NodeSpec:
+    """One Mac as the planner sees it: the memory it offers the model (its measurement) and
+    how fast it runs one of the model's layers, whole or as a tensor rank's share."""
     node_id: str
     memory_bytes: int
     layer_ms: float
