@@ -117,9 +117,11 @@ def layer_times(path: Path, layers: int, context: int = CONTEXT, split: bool = T
                 # A group of one: the cut layer's all-sums return their input, so the time is
                 # the share's compute alone (the cost model adds the all-reduces itself).
                 shard_layer(shard.model.model.layers[0], shard.config, shares, 0, mx.distributed.init())
-            except TensorShardError:
-                break  # a layer this family cannot cut (MLA attention): no fixed part known
-            cut, ranks = LayerClock(shard, context), n
+                cut, ranks = LayerClock(shard, context), n  # its prefill runs the cut layer once
+            except (TensorShardError, ValueError, RuntimeError, TypeError, AttributeError, KeyError):
+                # A layer this worker cannot cut (MLA attention; quantized weights, which are
+                # not cut by rows here): the whole layer's time still stands, no fixed part.
+                cut, ranks = None, 0
             break
     full_ms: list[float] = []
     cut_ms: list[float] = []

@@ -147,6 +147,17 @@ def test_measure_of_a_layer_it_cannot_cut_reports_no_fixed_part(tmp_path: Path) 
     assert times.layer_ms > 0 and (times.fixed_ms, times.split_ranks, times.split_ms) == (0.0, 0, 0.0)
 
 
+def test_measure_of_a_quantized_layer_times_it_whole(tmp_path: Path) -> None:
+    """Quantized weights are not cut by rows here: the layer is timed whole, no fixed part,
+    and the measurement still succeeds (it once failed, so the Mac never offered itself)."""
+    from p2pmesh.worker.measure import layer_times
+    from tests.agent.test_moe_loopback import LAYERS, _model
+
+    path = _model(tmp_path, "qwen3_moe-4bit")  # mlx-lm's convert, 4-bit
+    times = layer_times(path, LAYERS, context=16)
+    assert times.layer_ms > 0 and (times.fixed_ms, times.split_ranks) == (0.0, 0)
+
+
 def test_error_events_carry_a_known_code() -> None:
     assert protocol.error(protocol.REQUEST_INVALID, "too long", "r1") == {
         "event": "error", "id": "r1", "code": "request_invalid", "message": "too long"}
